@@ -1,0 +1,159 @@
+"""Engine configuration: frozen dataclasses parsed once at the edge.
+
+Derived values are properties so nothing is stored twice. `EngineConfig.create`
+is the one place where user options (CLI flags, `LLM(**options)`) become configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Maps 'float32' / 'bf16' / torch.dtype to a torch.dtype; rejects anything else."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use one of {sorted(set(_DTYPES))}")
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(set(_DTYPES))}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and how.
+
+    `model` is a registered name (e.g. 'smollm2-135m-instruct') or a local folder in
+    Hugging Face layout (config.json + *.safetensors + tokenizer files).
+    `max_model_len` caps prompt + generated tokens; None means the model's own
+    `max_position_embeddings`.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    The number of blocks is derived from a memory budget: `kv_cache_memory_bytes` if
+    given, else `kv_cache_memory_fraction` of the device's total memory (host RAM on
+    CPU). `num_blocks_override` pins the count (tests use it to force preemption).
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.1
+    num_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.num_blocks_override is not None and self.num_blocks_override < 1:
+            raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    `max_num_batched_tokens` is the per-step token budget shared by prefill chunks and
+    decodes. With chunked prefill off a prompt must fit the budget in one step.
+    `policy` is 'fcfs' or 'priority' (lower `priority` value runs first, ties FCFS).
+    """
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def create(
+        cls,
+        model: str = "smollm2-135m-instruct",
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        kv_cache_memory_fraction: float = 0.1,
+        num_blocks_override: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+    ) -> EngineConfig:
+        """Builds the frozen configs from flat user options (the `LLM(...)` keywords)."""
+        return cls(
+            model=ModelConfig(
+                model=model,
+                dtype=parse_dtype(dtype),
+                device=device,
+                max_model_len=max_model_len,
+                seed=seed,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                kv_cache_memory_fraction=kv_cache_memory_fraction,
+                num_blocks_override=num_blocks_override,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=policy,
+            ),
+        )
+
+    @staticmethod
+    def option_names() -> tuple[str, ...]:
+        """The keyword names `create` accepts (for CLI flags and error messages)."""
+        sections = (ModelConfig, CacheConfig, SchedulerConfig)
+        return tuple(f.name for s in sections for f in dataclasses.fields(s))

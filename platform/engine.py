@@ -1,0 +1,182 @@
+"""LLMEngine: add_request / step / abort. One step = schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from loraplex.platform.block_pool import BlockPool
+from loraplex.platform.config import CacheConfig, EngineConfig
+from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.model_files import resolve_model_folder
+from loraplex.platform.model_runner import ModelRunner
+from loraplex.platform.models.arch import ModelArch
+from loraplex.platform.models.registry import allocate_kv_caches, load_model
+from loraplex.platform.output_processor import OutputProcessor
+from loraplex.platform.request import Request, RequestOutput, SamplingParams
+from loraplex.platform.scheduler import Scheduler
+from loraplex.platform.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_num_blocks(
+    cache: CacheConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_model_len: int
+) -> int:
+    """Number of KV blocks the memory budget buys; fails if one max_model_len sequence
+    would not fit, naming the numbers."""
+    bytes_per_block = arch.kv_bytes_per_token(dtype) * cache.block_size
+    if cache.num_blocks_override is not None:
+        num_blocks = cache.num_blocks_override
+        budget = num_blocks * bytes_per_block
+    else:
+        budget = cache.kv_cache_memory_bytes or int(
+            cache.kv_cache_memory_fraction * device_memory_bytes(device)
+        )
+        num_blocks = budget // bytes_per_block
+    needed = -(-max_model_len // cache.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"KV cache budget too small: {budget} bytes buys {num_blocks} blocks of "
+            f"{cache.block_size} tokens ({bytes_per_block} bytes each), but one "
+            f"max_model_len={max_model_len} sequence needs {needed} blocks "
+            f"({needed * bytes_per_block} bytes). Raise the KV budget or lower max_model_len."
+        )
+    return num_blocks
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        started = time.monotonic()
+        folder = resolve_model_folder(config.model.model)
+        self.tokenizer = load_tokenizer(folder)
+        self.eos_token_ids = eos_token_ids(folder, self.tokenizer)
+        self.device = torch.device(config.model.device)
+        torch.manual_seed(config.model.seed)
+        model, arch = load_model(folder, config.model.dtype, self.device)
+        self.arch = arch
+        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            logger.warning(
+                "max_model_len %d exceeds the model's max_position_embeddings %d",
+                self.max_model_len,
+                arch.max_position_embeddings,
+            )
+        cache = config.cache
+        num_blocks = plan_num_blocks(
+            cache, arch, config.model.dtype, self.device, self.max_model_len
+        )
+        kv_caches = allocate_kv_caches(arch, num_blocks, cache.block_size, config.model.dtype, self.device)
+        self.kv_cache = KVCacheManager(BlockPool(num_blocks), cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.runner = ModelRunner(model, kv_caches, cache.block_size, self.device)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        logger.info(
+            "engine ready in %.1fs: model=%s dtype=%s device=%s blocks=%d x %d tokens, "
+            "max_model_len=%d",
+            time.monotonic() - started,
+            config.model.model,
+            config.model.dtype,
+            self.device,
+            num_blocks,
+            cache.block_size,
+            self.max_model_len,
+        )
+
+    # ---- requests ------------------------------------------------------------------
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def make_request_group(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> list[Request]:
+        """Validates a prompt and builds its n Requests. Raises ValueError on bad input."""
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
+        vocab = self.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        n = params.n
+        return [
+            Request(
+                request_id=request_id if n == 1 else f"{request_id}-{index}",
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival,
+                priority=priority,
+                group_id=request_id,
+                index=index,
+            )
+            for index in range(n)
+        ]
+
+    def add_group(self, group: list[Request]) -> None:
+        group_id = group[0].group_id
+        if group_id in self.outputs:
+            raise ValueError(f"request id {group_id!r} is already in use")
+        self.scheduler.add(group)
+        self.outputs.add(group)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        self.add_group(self.make_request_group(request_id, prompt, params, priority))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Aborts a request group at any time; its blocks are freed at once."""
+        if self.scheduler.abort_group(request_id) or request_id in self.outputs:
+            return self.outputs.abort(request_id)
+        return None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        output = self.scheduler.schedule()
+        if output.empty:
+            return []
+        sampled = self.runner.execute(output)
+        updated = self.scheduler.update(output, sampled)
+        return self.outputs.process(updated)
+
+    def stats(self) -> dict[str, float]:
+        kv = self.kv_cache
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": kv.pool.usage,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+        }

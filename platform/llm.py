@@ -1,0 +1,98 @@
+"""Offline API: `LLM(model=..., **engine options).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from loraplex.platform.config import EngineConfig
+from loraplex.platform.engine import LLMEngine
+from loraplex.platform.request import RequestOutput, SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Runs an LLMEngine to completion over a list of prompts.
+
+    Keyword options are those of `EngineConfig.create` (dtype, max_model_len,
+    max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes, ...);
+    an unknown option is a TypeError.
+    """
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_options: object) -> None:
+        self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: Sequence[str | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (a string or a list of token ids); outputs come back
+        in prompt order. `adapters` arrives with multi-LoRA support."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if adapters is not None and any(a is not None for a in adapters):
+            raise ValueError("LoRA adapters are not supported by this engine yet")
+        params = self._expand_params(sampling_params, len(prompts))
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        groups = [
+            self.engine.make_request_group(request_id, prompt, p)
+            for request_id, prompt, p in zip(request_ids, prompts, params)
+        ]
+        for group in groups:
+            self.engine.add_group(group)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template (with the generation prompt) and generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_prompt_ids(conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, conversation: Sequence[Message]) -> list[int]:
+        encoded = self.tokenizer.apply_chat_template(
+            list(conversation), add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+
+    @staticmethod
+    def _expand_params(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"{len(params)} sampling params for {count} prompts")
+        return params
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="generate") as bar:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,124 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples. Makes no decisions.
+
+Per step it builds the flattened batch (decodes first, then prefill chunks; see
+attention_metadata.py), applies pending copy-on-write block copies, runs the model,
+computes logits only for the rows that sample, and lets the sampler pick tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loraplex.platform.attention_metadata import AttentionMetadata
+from loraplex.platform.request import Logprob, Request
+from loraplex.platform.sampler import Sampler, SamplingBatch
+from loraplex.platform.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
+    """[R] index into the step's tokens of each sampling row (repeats for forks)."""
+    sample_requests: list[Request]
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(tables), width)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, Logprob | None]]:
+        """Runs one step; returns request id -> (sampled token, logprob or None)."""
+        self._copy_blocks(output.block_copies)
+        inputs = self.prepare_inputs(output)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sample_requests:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        batch = SamplingBatch.from_requests(inputs.sample_requests, self.device)
+        sampled = self.sampler(logits, batch)
+        return {
+            request.request_id: (token_id, logprob)
+            for request, token_id, logprob in zip(
+                inputs.sample_requests, sampled.token_ids, sampled.logprobs
+            )
+        }
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
+        decodes = [s for s in output.scheduled if s.num_tokens == 1]
+        prefills = [s for s in output.scheduled if s.num_tokens > 1]
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        size = self.block_size
+        for item in decodes + prefills:
+            request = item.request
+            start = request.num_computed_tokens
+            stop = start + item.num_tokens
+            token_ids.extend(request.all_token_ids[start:stop])
+            positions.extend(range(start, stop))
+            table = item.block_ids
+            slots.extend(table[p // size] * size + p % size for p in range(start, stop))
+            if item.samples:
+                row = len(token_ids) - 1
+                for member in [request, *output.forks.get(request.request_id, ())]:
+                    sample_rows.append(row)
+                    sample_requests.append(member)
+        device = self.device
+        meta = AttentionMetadata(
+            block_size=size,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=_pad_tables([s.block_ids for s in decodes], device),
+            decode_seq_lens=torch.tensor(
+                [s.request.num_computed_tokens + 1 for s in decodes],
+                dtype=torch.int64,
+                device=device,
+            ),
+            prefill_query_lens=[s.num_tokens for s in prefills],
+            prefill_seq_lens=[_context_after(s) for s in prefills],
+            prefill_block_tables=_pad_tables([s.block_ids for s in prefills], device),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+            sample_requests=sample_requests,
+        )
+
+
+def _context_after(item: ScheduledRequest) -> int:
+    return item.request.num_computed_tokens + item.num_tokens

@@ -1,0 +1,242 @@
+"""Iteration-level scheduling policy. Never touches tensors.
+
+Each step the scheduler decides "request -> number of tokens to compute now":
+running requests first (decodes and unfinished prefill chunks, in admission order),
+then waiting requests while the token budget, `max_num_seqs` and free KV blocks allow.
+When a running request cannot get a block, the lowest-ranked running request is
+preempted: its blocks are freed and it later recomputes prompt + generated tokens.
+
+n > 1 sampling: child 0 of a group computes the prompt; its siblings wait outside the
+queues and fork child 0's blocks the step its first token is sampled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from loraplex.platform.config import SchedulerConfig
+from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens (a new token follows)."""
+        req = self.request
+        return req.num_computed_tokens + self.num_tokens == req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    block_copies: list[tuple[int, int]]
+    forks: dict[str, list[Request]] = field(default_factory=dict)
+    """request id of child 0 -> siblings that sample from its logits this step."""
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """Requests ordered by (priority, arrival); FCFS when priorities are equal."""
+
+    def __init__(self, use_priority: bool) -> None:
+        self._use_priority = use_priority
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._order = itertools.count()
+
+    def _key(self, request: Request) -> tuple[int, float, int, Request]:
+        priority = request.priority if self._use_priority else 0
+        return (priority, request.arrival_time, next(self._order), request)
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, self._key(request))
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [entry for entry in self._heap if entry[3] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (entry[3] for entry in sorted(self._heap))
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(config.policy == "priority")
+        self.running: list[Request] = []
+        self.fork_waiting: dict[str, list[Request]] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------
+    def add(self, group: list[Request]) -> None:
+        """Queues a request group (n children sharing a prompt)."""
+        for request in group:
+            self.requests[request.request_id] = request
+        self.waiting.push(group[0])
+        if len(group) > 1:
+            for sibling in group[1:]:
+                sibling.status = RequestStatus.WAITING_FOR_FORK
+            self.fork_waiting[group[0].request_id] = group[1:]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def _rank(self, request: Request) -> tuple[int, float]:
+        priority = request.priority if self.config.policy == "priority" else 0
+        return (priority, request.arrival_time)
+
+    # ---- one step ---------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        chunked = self.config.enable_chunked_prefill
+
+        self.running.sort(key=self._rank)
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            num_new = request.num_tokens - request.num_computed_tokens
+            if chunked:
+                num_new = min(num_new, budget)
+            if num_new <= 0 or num_new > budget:
+                continue
+            while not self.kv_cache.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            scheduled.append(ScheduledRequest(request, num_new, []))
+            budget -= num_new
+
+        if not preempted:
+            budget = self._admit_waiting(scheduled, budget)
+
+        for item in scheduled:
+            item.block_ids = self.kv_cache.block_ids(item.request.request_id)
+        forks = {
+            item.request.request_id: self.fork_waiting[item.request.request_id]
+            for item in scheduled
+            if item.samples and item.request.request_id in self.fork_waiting
+        }
+        return SchedulerOutput(
+            scheduled=scheduled,
+            block_copies=self.kv_cache.take_pending_copies(),
+            forks=forks,
+            preempted=preempted,
+        )
+
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            cached = self.kv_cache.find_cached_prefix(request)
+            num_new = request.num_tokens - len(cached) * self.kv_cache.block_size
+            if chunked:
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                break
+            if not self.kv_cache.allocate(request, num_new, cached):
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = len(cached) * self.kv_cache.block_size
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new, []))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        self.kv_cache.forget_hashes(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(request)
+
+    # ---- after the model ran ---------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[str, tuple[int, object]]) -> list[Request]:
+        """Advances computed counts, appends sampled tokens, forks siblings and finishes
+        requests that hit a stop token or a length limit. Returns the requests that got
+        a new token this step (finished ones included)."""
+        for item in output.scheduled:
+            item.request.num_computed_tokens += item.num_tokens
+        for parent_id, siblings in output.forks.items():
+            parent = self.requests[parent_id]
+            del self.fork_waiting[parent_id]
+            for sibling in siblings:
+                self.kv_cache.fork(parent, sibling)
+                sibling.num_computed_tokens = parent.num_computed_tokens
+                sibling.status = RequestStatus.RUNNING
+                self.running.append(sibling)
+        updated = []
+        for request_id, (token_id, logprob) in sampled.items():
+            request = self.requests[request_id]
+            request.append_output_token(token_id, logprob)
+            if request.check_stop_token() or self._at_length_limit(request):
+                self.finish(request, request.status)
+            updated.append(request)
+        return updated
+
+    def _at_length_limit(self, request: Request) -> bool:
+        if request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request (stop, length or abort) and frees its blocks at once."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        self.requests.pop(request.request_id, None)
+        for sibling in self.fork_waiting.pop(request.request_id, ()):
+            self.finish(sibling, status)
+
+    def abort_group(self, group_id: str) -> list[Request]:
+        """Aborts every unfinished request of a group; returns them."""
+        members = [r for r in self.requests.values() if r.group_id == group_id]
+        for request in members:
+            if request.request_id in self.requests:
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return members

@@ -1,0 +1,212 @@
+"""Scheduler policy and KV invariants, driven without a model: sampled tokens are made up.
+
+The property test throws random add / abort / step sequences at a small block pool
+(so preemption and prefix hits are frequent) and checks after every step that ref
+counts match block tables, free + used = total, budgets hold, and everything finishes.
+"""
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loraplex.platform.block_pool import BlockPool
+from loraplex.platform.config import SchedulerConfig
+from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.request import Request, RequestStatus, SamplingParams
+from loraplex.platform.scheduler import Scheduler
+
+BLOCK = 4
+MAX_LEN = 24
+
+
+def make_scheduler(num_blocks=8, max_num_seqs=4, budget=16, chunked=True, policy="fcfs"):
+    kv = KVCacheManager(BlockPool(num_blocks), BLOCK, enable_prefix_caching=True)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+    )
+    return Scheduler(config, kv, MAX_LEN)
+
+
+def make_group(request_id, prompt, max_tokens=4, n=1, priority=0, arrival=0.0):
+    params = SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0)
+    return [
+        Request(
+            request_id if n == 1 else f"{request_id}-{i}",
+            list(prompt),
+            params,
+            group_id=request_id,
+            index=i,
+            priority=priority,
+            arrival_time=arrival,
+        )
+        for i in range(n)
+    ]
+
+
+def step(scheduler, rng=None, token=1):
+    output = scheduler.schedule()
+    config = scheduler.config
+    assert output.num_tokens <= config.max_num_batched_tokens
+    ids = [item.request.request_id for item in output.scheduled]
+    assert len(ids) == len(set(ids)), "a request was scheduled twice in one step"
+    sampled = {}
+    for item in output.scheduled:
+        assert item.request.status is RequestStatus.RUNNING
+        if item.samples:
+            for member in [item.request, *output.forks.get(item.request.request_id, ())]:
+                sampled[member.request_id] = (rng.randrange(8) if rng else token, None)
+    updated = scheduler.update(output, sampled)
+    scheduler.kv_cache.check_invariants()
+    return output, updated
+
+
+def run_to_completion(scheduler, rng=None, max_steps=2000):
+    for _ in range(max_steps):
+        if not scheduler.num_unfinished:
+            return
+        step(scheduler, rng)
+    raise AssertionError("requests did not finish: scheduler made no progress")
+
+
+def test_fcfs_chunked_prefill_mixes_with_decodes():
+    scheduler = make_scheduler(num_blocks=16, budget=8)
+    scheduler.add(make_group("a", range(6), max_tokens=3))
+    output, _ = step(scheduler)
+    assert [(s.request.request_id, s.num_tokens) for s in output.scheduled] == [("a", 6)]
+    scheduler.add(make_group("b", range(10, 22), max_tokens=3))
+    output, _ = step(scheduler)
+    # a decodes one token; b's 12-token prompt is chunked into the remaining 7.
+    assert [(s.request.request_id, s.num_tokens) for s in output.scheduled] == [("a", 1), ("b", 7)]
+    run_to_completion(scheduler)
+    assert scheduler.kv_cache.pool.num_free == 16
+
+
+def test_max_num_seqs_caps_running_requests():
+    scheduler = make_scheduler(num_blocks=32, max_num_seqs=2, budget=64)
+    for i in range(4):
+        scheduler.add(make_group(f"r{i}", [i] * 3, max_tokens=2))
+    output, _ = step(scheduler)
+    assert len(output.scheduled) == 2
+    run_to_completion(scheduler)
+
+
+def test_without_chunking_a_prompt_waits_for_a_step_with_room():
+    scheduler = make_scheduler(num_blocks=32, budget=10, chunked=False)
+    scheduler.add(make_group("a", range(8), max_tokens=3))
+    scheduler.add(make_group("b", range(8), max_tokens=3))
+    output, _ = step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["a"]
+    run_to_completion(scheduler)
+
+
+def test_preemption_frees_blocks_and_request_recomputes():
+    scheduler = make_scheduler(num_blocks=6, budget=64)
+    scheduler.add(make_group("a", range(7), max_tokens=12, arrival=0.0))
+    scheduler.add(make_group("b", range(20, 27), max_tokens=12, arrival=1.0))
+    preempted = []
+    for _ in range(200):
+        if not scheduler.num_unfinished:
+            break
+        output, _ = step(scheduler)
+        preempted += [r.request_id for r in output.preempted]
+    assert preempted and preempted[0] == "b", "the later arrival is preempted first"
+    assert scheduler.kv_cache.pool.num_free == 6
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    scheduler = make_scheduler(num_blocks=32, max_num_seqs=1, budget=64, policy="priority")
+    scheduler.add(make_group("low", range(3), max_tokens=1, priority=5, arrival=0.0))
+    scheduler.add(make_group("high", range(3), max_tokens=1, priority=0, arrival=1.0))
+    output, _ = step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["high"]
+
+
+def test_abort_frees_every_block_immediately():
+    scheduler = make_scheduler(num_blocks=16)
+    scheduler.add(make_group("a", range(10), max_tokens=8))
+    scheduler.add(make_group("g", range(5), max_tokens=8, n=3))
+    step(scheduler)
+    step(scheduler)
+    scheduler.abort_group("a")
+    scheduler.abort_group("g")
+    scheduler.kv_cache.check_invariants()
+    assert scheduler.kv_cache.pool.num_free == 16
+    assert scheduler.num_unfinished == 0
+
+
+def test_n_siblings_fork_after_prompt_and_share_prefix_blocks():
+    scheduler = make_scheduler(num_blocks=16, budget=64)
+    group = make_group("g", range(6), max_tokens=3, n=3)
+    scheduler.add(group)
+    output, _ = step(scheduler)
+    assert list(output.forks) == ["g-0"]
+    tables = [scheduler.kv_cache.block_ids(r.request_id) for r in group]
+    assert tables[0] == tables[1] == tables[2]
+    output, _ = step(scheduler)
+    # Each sibling writes into the shared half-full block: two copies, one in place.
+    assert len(output.block_copies) == 2
+    run_to_completion(scheduler)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in group)
+    assert scheduler.kv_cache.pool.num_free == 16
+
+
+def test_length_limit_of_max_model_len_finishes_request():
+    scheduler = make_scheduler(num_blocks=16, budget=64)
+    (request,) = make_group("a", range(MAX_LEN - 2), max_tokens=100)
+    scheduler.add([request])
+    run_to_completion(scheduler)
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert request.num_tokens == MAX_LEN
+
+
+operation = st.one_of(
+    st.tuples(
+        st.just("add"),
+        st.integers(1, MAX_LEN - 1),
+        st.integers(1, 8),
+        st.integers(1, 3),
+        st.integers(0, 2),
+    ),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(operation, min_size=1, max_size=40),
+    num_blocks=st.integers(MAX_LEN // BLOCK, 12),
+    max_num_seqs=st.integers(1, 4),
+    budget=st.integers(4, 32),
+    chunked=st.booleans(),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_add_abort_step_keeps_invariants(
+    ops, num_blocks, max_num_seqs, budget, chunked, policy, seed
+):
+    if not chunked:
+        budget = max(budget, MAX_LEN)
+    rng = random.Random(seed)
+    scheduler = make_scheduler(num_blocks, max_num_seqs, budget, chunked, policy)
+    added = []
+    for index, op in enumerate(ops):
+        if op[0] == "add":
+            _, length, max_tokens, n, priority = op
+            prompt = [rng.randrange(3) for _ in range(length)]
+            group_id = f"r{index}"
+            scheduler.add(make_group(group_id, prompt, max_tokens, n, priority, float(index)))
+            added.append(group_id)
+        elif op[0] == "abort" and added:
+            scheduler.abort_group(added[op[1] % len(added)])
+            scheduler.kv_cache.check_invariants()
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                step(scheduler, rng)
+    run_to_completion(scheduler, rng)
+    assert scheduler.kv_cache.pool.num_free == num_blocks
+    assert not scheduler.running and not len(scheduler.waiting) and not scheduler.fork_waiting

@@ -1,0 +1,38 @@
+"""RMSNorm with an optional fused residual add (the Llama pre-norm pattern)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), normalized in fp32 like HF.
+
+    `forward(x, residual)` first adds `residual` to `x` and returns the sum as the
+    new residual stream, so decoder layers never materialize the add twice.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, hidden] -> (normed [T, hidden], new residual [T, hidden])."""
+        if residual is not None:
+            x = residual + x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype), x
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -1,0 +1,201 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) on the paged KV cache.
+
+One forward runs the step's flattened tokens (see attention_metadata.py):
+    input_ids [T] -> embed [T, hidden] -> num_layers x (attention, MLP) -> norm -> [T, hidden]
+q/k/v and gate/up are fused projections (one matmul each); their slice sizes are
+kept on the layers so LoRA can add per-slice deltas later.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.platform.attention_metadata import AttentionMetadata
+from loraplex.platform.layers.attention import PagedAttention
+from loraplex.platform.layers.linear import Linear, MergedLinear
+from loraplex.platform.layers.norm import RMSNorm
+from loraplex.platform.layers.rotary import RotaryEmbedding, apply_rotary
+from loraplex.platform.models.arch import ModelArch
+from loraplex.platform.models.weights import WeightTarget, load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype, device: torch.device, backend: str
+    ) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        q_size = arch.num_heads * arch.head_dim
+        kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = MergedLinear(
+            arch.hidden_size, (q_size, kv_size, kv_size), arch.qkv_bias, dtype, device
+        )
+        self.o_proj = Linear(q_size, arch.hidden_size, arch.o_bias, dtype, device)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden [T, hidden], cos/sin [T, 1, Dh/2] -> [T, hidden]."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedLinear(
+            arch.hidden_size, (size, size), arch.mlp_bias, dtype, device
+        )
+        self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype, device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)): [T, hidden] -> [T, hidden]."""
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, arch: ModelArch, dtype: torch.dtype, device: torch.device, backend: str
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(arch, dtype, device, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(arch, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, residual stream before it); their sum is the
+        layer's output, added by the next norm."""
+        normed, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(normed, cos, sin, kv_cache, meta)
+        normed, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(normed), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM; parameters start uninitialized and are filled by `load_weights`."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        attention_backend: str = "torch",
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.arch = arch
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(
+            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, dtype, device, attention_backend)
+            for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope, device
+        )
+        if arch.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(
+                torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] -> float32 logits [R, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """HF checkpoint tensor name -> where it goes in this model."""
+        targets: dict[str, WeightTarget] = {
+            "model.embed_tokens.weight": WeightTarget(self, "embed_tokens"),
+            "model.norm.weight": WeightTarget(self.norm, "weight"),
+        }
+        if not self.arch.tie_word_embeddings:
+            targets["lm_head.weight"] = WeightTarget(self, "lm_head")
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            targets[prefix + "input_layernorm.weight"] = WeightTarget(
+                layer.input_layernorm, "weight"
+            )
+            targets[prefix + "post_attention_layernorm.weight"] = WeightTarget(
+                layer.post_attention_layernorm, "weight"
+            )
+            for index, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                targets[f"{prefix}self_attn.{name}.weight"] = WeightTarget(
+                    attn.qkv_proj, "weight", index
+                )
+                if self.arch.qkv_bias:
+                    targets[f"{prefix}self_attn.{name}.bias"] = WeightTarget(
+                        attn.qkv_proj, "bias", index
+                    )
+            for index, name in enumerate(("gate_proj", "up_proj")):
+                targets[f"{prefix}mlp.{name}.weight"] = WeightTarget(
+                    mlp.gate_up_proj, "weight", index
+                )
+                if self.arch.mlp_bias:
+                    targets[f"{prefix}mlp.{name}.bias"] = WeightTarget(
+                        mlp.gate_up_proj, "bias", index
+                    )
+            for module, name, has_bias in (
+                (attn.o_proj, "self_attn.o_proj", self.arch.o_bias),
+                (mlp.down_proj, "mlp.down_proj", self.arch.mlp_bias),
+            ):
+                targets[f"{prefix}{name}.weight"] = WeightTarget(module, "weight", 0)
+                if has_bias:
+                    targets[f"{prefix}{name}.bias"] = WeightTarget(module, "bias", 0)
+        return targets
+
+    def load_weights(self, folder: str | Path) -> None:
+        """Fills every parameter from the HF safetensors in `folder` (single or sharded)."""
+        ignored = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
+        load_checkpoint(Path(folder), self.weight_targets(), ignored)

@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny random HF models (with a tiny tokenizer) made in-process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_VOCAB = 512
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> None:
+    """A word-level tokenizer whose every id decodes: 'w0' ... 'w{V-1}'; no EOS token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+    tokenizer.save_pretrained(folder)
+
+
+def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path:
+    """Saves a seeded random HF model of `kind` ('llama', 'llama3', 'qwen2', 'mistral')."""
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+    )
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if kind == "llama":
+        config = LlamaConfig(**common)
+    elif kind == "llama3":
+        config = LlamaConfig(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            **common,
+        )
+    elif kind == "qwen2":
+        config = Qwen2Config(**common)
+    elif kind == "mistral":
+        config = MistralConfig(**common)
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is tiny; widen the logits spread so greedy picks are not near-ties.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("weight") and param.dim() == 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(folder)
+    save_tiny_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    cache: dict[tuple, Path] = {}
+
+    def factory(kind: str = "llama", **overrides) -> Path:
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+            cache[key] = make_tiny_model(folder, kind, **overrides)
+        return cache[key]
+
+    return factory

@@ -1,0 +1,205 @@
+"""LLMEngine / AsyncEngine / LLM behaviour on a tiny model: bad input, aborts, n > 1,
+seeds, stop conditions, logprobs, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loraplex.platform import LLM, AsyncEngine, SamplingParams
+from loraplex.platform.engine import LLMEngine
+from loraplex.platform.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    return LLM(str(tiny_model_factory("llama")), max_model_len=64, dtype="float32")
+
+
+def assert_no_leak(engine: LLMEngine) -> None:
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.pool.num_free == engine.kv_cache.pool.num_blocks
+    assert not engine.has_unfinished()
+
+
+def test_prompt_longer_than_max_model_len_is_rejected(llm):
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        llm.generate([list(range(1, 80))], SamplingParams(max_tokens=2))
+    assert_no_leak(llm.engine)
+
+
+def test_empty_prompt_is_rejected(llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([""], SamplingParams(max_tokens=2))
+    assert_no_leak(llm.engine)
+
+
+def test_out_of_vocab_token_is_rejected(llm):
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 2, 10_000]], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(max_tokens=0), "max_tokens must be >= 1"),
+        (dict(top_p=0.0), "top_p must be in"),
+        (dict(top_p=1.5), "top_p must be in"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(n=0), "n must be >= 1"),
+    ],
+)
+def test_bad_sampling_params_are_rejected(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**bad)
+
+
+def test_kv_budget_too_small_fails_at_start_with_numbers(tiny_model_factory):
+    with pytest.raises(ValueError, match=r"buys 2 blocks .* needs 4 blocks"):
+        LLM(
+            str(tiny_model_factory("llama")),
+            max_model_len=64,
+            block_size=16,
+            num_blocks_override=2,
+        )
+    folder = str(tiny_model_factory("llama"))
+    with pytest.raises(ValueError, match="KV cache budget too small: 1000 bytes"):
+        LLMEngine(EngineConfig.create(folder, max_model_len=64, kv_cache_memory_bytes=1000))
+
+
+def test_unknown_engine_option_is_a_type_error(tiny_model_factory):
+    with pytest.raises(TypeError):
+        LLM(str(tiny_model_factory("llama")), max_num_seq=4)
+
+
+def test_abort_mid_generation_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("victim", list(range(1, 40)), SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("other", list(range(1, 10)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.kv_cache.pool.num_free < engine.kv_cache.pool.num_blocks
+    output = engine.abort_request("victim")
+    assert output.finished and output.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leak(engine)
+
+
+def test_duplicate_request_id_is_rejected(llm):
+    engine = llm.engine
+    engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leak(engine)
+
+
+def test_max_tokens_and_stop_token_ids(llm):
+    prompt = list(range(5, 25))
+    (free,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(free.token_ids) == 8 and free.outputs[0].finish_reason == "length"
+    stop_at = free.token_ids[3]
+    (stopped,) = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at])
+    )
+    first = free.token_ids.index(stop_at)
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert stopped.outputs[0].stop_reason == stop_at
+
+
+def test_stop_string_truncates_text(llm):
+    prompt = list(range(30, 50))
+    (free,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10))
+    words = free.text.split()
+    assert len(words) >= 4
+    stop = words[2]
+    (stopped,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop=[stop]))
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert stop not in stopped.text
+    assert free.text.startswith(stopped.text)
+    assert_no_leak(llm.engine)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
+    (alone,) = llm.generate([[1, 2, 3, 4]], params)
+    others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batch = llm.generate([[9, 9, 9], [1, 2, 3, 4], [7] * 20], [others, params, others])
+    assert batch[1].token_ids == alone.token_ids
+    (other_seed,) = llm.generate(
+        [[1, 2, 3, 4]], SamplingParams(temperature=1.0, max_tokens=10, seed=99, ignore_eos=True)
+    )
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_n_greater_than_one_forks_and_frees(llm):
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    (output,) = llm.generate([list(range(1, 21))], params)
+    assert len(output.outputs) == 4
+    assert [c.index for c in output.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 12 for c in output.outputs)
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    (greedy,) = llm.generate(
+        [list(range(1, 21))], SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    (single,) = llm.generate([list(range(1, 21))], SamplingParams(temperature=0, max_tokens=12))
+    assert all(c.token_ids == single.token_ids for c in greedy.outputs)
+    assert_no_leak(llm.engine)
+
+
+def test_logprobs_are_returned_per_token(llm):
+    (output,) = llm.generate(
+        [[3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    )
+    logprobs = output.outputs[0].logprobs
+    assert len(logprobs) == 4
+    for token_id, step in zip(output.token_ids, logprobs):
+        assert step.token_id == token_id
+        assert len(step.top) == 3
+        assert step.logprob == pytest.approx(max(step.top.values()), abs=1e-5)
+
+
+def test_from_loraplex_platform_imports():
+    import loraplex.platform as platform_package
+
+    assert {"LLM", "SamplingParams"} <= set(platform_package.__all__)
+
+
+def test_async_engine_streams_and_aborts(llm):
+    engine = AsyncEngine(llm.engine)
+
+    async def scenario():
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outputs = [o async for o in engine.generate([1, 2, 3, 4, 5], params)]
+        assert outputs[-1].finished
+        assert len(outputs[-1].token_ids) == 6
+        lengths = [len(o.token_ids) for o in outputs]
+        assert lengths == sorted(lengths)
+
+        long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        stream = engine.generate(list(range(1, 20)), long, request_id="cut")
+        async for output in stream:
+            if len(output.token_ids) >= 2:
+                break
+        await stream.aclose()
+        for _ in range(100):
+            if not llm.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.02)
+
+        with pytest.raises(ValueError, match="prompt is empty"):
+            async for _ in engine.generate([], params):
+                pass
+
+    try:
+        asyncio.run(scenario())
+        assert_no_leak(llm.engine)
+        engine.check_health()
+    finally:
+        engine.shutdown()

@@ -1,1 +1,145 @@
-"""loraplex.platform.cli placeholder"""
+"""The `loraplex` command: `generate` streams one completion, `bench offline` measures
+throughput. Parsing and dispatch only; the work lives in the engine and `bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"registered model name or local HF folder (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="engine / workload seed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loraplex", description="Multi-tenant, multi-LoRA LLM serving."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="stream a completion for one prompt")
+    generate.add_argument("prompt", help="the prompt (or the user message with --chat)")
+    _add_model_options(generate)
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    generate.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the chat template (default: when the tokenizer has one)",
+    )
+    generate.set_defaults(handler=run_generate)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    offline = bench_kinds.add_parser("offline", help="offline throughput on a fixed workload")
+    _add_model_options(offline)
+    offline.add_argument("--num-requests", type=int, default=64)
+    offline.add_argument("--prompt-len", type=int, default=128)
+    offline.add_argument("--output-len", type=int, default=64)
+    offline.add_argument("--baseline", choices=("hf",), default=None, help="also run HF generate")
+    offline.add_argument("--hf-batch-size", type=int, default=16)
+    offline.add_argument("--max-num-seqs", type=int, default=None, help="engine batch limit")
+    offline.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="engine per-step token budget"
+    )
+    offline.set_defaults(handler=run_bench_offline)
+    return parser
+
+
+def stream_text(engine, request_id: str, prompt: str | list[int], params) -> Iterator[str]:
+    """Adds one request and yields each new piece of its text as the engine steps."""
+    engine.add_request(request_id, prompt, params)
+    emitted = ""
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id != request_id:
+                continue
+            text = output.text
+            if len(text) > len(emitted) and text.startswith(emitted):
+                yield text[len(emitted) :]
+                emitted = text
+
+
+def chat_prompt(tokenizer, message: str) -> list[int]:
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )
+    return list(encoded["input_ids"])
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from loraplex.platform.llm import LLM
+    from loraplex.platform.request import SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed)
+    has_template = bool(getattr(llm.tokenizer, "chat_template", None))
+    use_chat = has_template if args.chat is None else args.chat
+    if use_chat and not has_template:
+        sys.stderr.write("error: this model's tokenizer has no chat template; use --no-chat\n")
+        return 2
+    prompt = chat_prompt(llm.tokenizer, args.prompt) if use_chat else args.prompt
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    for piece in stream_text(llm.engine, "cli-generate", prompt, params):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def run_bench_offline(args: argparse.Namespace) -> int:
+    from loraplex.platform import bench
+
+    engine_options = {
+        name: value
+        for name, value in (
+            ("max_num_seqs", args.max_num_seqs),
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+        )
+        if value is not None
+    }
+    report = bench.run_offline_bench(
+        model=args.model,
+        dtype=args.dtype,
+        num_requests=args.num_requests,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        baseline=args.baseline,
+        hf_batch_size=args.hf_batch_size,
+        seed=args.seed,
+        engine_options=engine_options,
+    )
+    sys.stdout.write(bench.format_report(report))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -71,7 +71,7 @@ class OutputProcessor:
         completions = [
             CompletionOutput(
                 index=member.index,
-                text=detokenizer.text,
+                text=detokenizer.full_text if member.finished else detokenizer.text,
                 token_ids=list(member.output_token_ids),
                 finish_reason=member.finish_reason,
                 stop_reason=member.stop_reason,

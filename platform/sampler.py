@@ -1,0 +1,271 @@
+"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws.
+
+One step's R sampling rows arrive as `logits[R, V]` with one `Request` per row (a
+forked n > 1 child gets its own row, holding a copy of its parent's logits). Per row:
+
+    logits  = repetition penalty   (HF: over prompt + output ids; >0 divide, else multiply)
+    logits -= frequency * count + presence * (count > 0)   (OpenAI: over output ids only)
+    greedy rows:  token = argmax(logits)
+    sampled rows: logits /= temperature; keep top-k; keep top-p nucleus; drop tokens with
+                  p < min_p * p_max; token = argmax(p / q), q ~ Exponential(1) per entry
+
+`argmax(p / q)` with exponential noise draws exactly from p (the exponential race), and
+lets a row with its own `torch.Generator` draw its noise alone, so a seeded request
+gets the same token whatever else shares its batch. Logprobs follow vLLM's default:
+log_softmax of the raw logits, before penalties, temperature and filtering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex.platform.request import Logprob, Request
+
+MIN_TEMPERATURE = 1e-5
+"""Smaller temperatures are raised to this, so logits / temperature stays finite."""
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[R, L] int64 with -1 past each row's end (L >= 1 so scatters stay well-formed)."""
+    width = max(1, max((len(row) for row in rows), default=0))
+    padded = [row + [-1] * (width - len(row)) for row in rows]
+    return _column(padded, torch.int64, device)
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling parameters as device tensors; built once per step.
+
+    Penalty and logprob fields cover all R rows; temperature and the filters cover only
+    the S non-greedy rows listed in `sampled_rows`. A field is None when no row needs
+    it; with `fast_greedy` (every row greedy, no penalties, no logprobs) all are None
+    and the sampler only takes an argmax.
+    """
+
+    num_rows: int
+    fast_greedy: bool
+    sampled_rows: list[int] = field(default_factory=list)
+    """Rows that draw (temperature > 0), ascending; the others take the argmax."""
+    sampled_index: torch.Tensor | None = None
+    """[S] int64 `sampled_rows` on the device; None when every row draws."""
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    """[S] each drawing row's own generator, or None for the global RNG."""
+    temperature: torch.Tensor | None = None
+    """[S] float32, at least MIN_TEMPERATURE."""
+    top_k: torch.Tensor | None = None
+    """[S] int64; 0 means off."""
+    top_p: torch.Tensor | None = None
+    """[S] float32."""
+    min_p: torch.Tensor | None = None
+    """[S] float32."""
+    repetition_penalty: torch.Tensor | None = None
+    """[R] float32."""
+    seen_token_ids: torch.Tensor | None = None
+    """[R, L] int64, -1 padded: prompt + output ids of rows with a repetition penalty."""
+    frequency_penalty: torch.Tensor | None = None
+    """[R] float32."""
+    presence_penalty: torch.Tensor | None = None
+    """[R] float32."""
+    output_token_ids: torch.Tensor | None = None
+    """[R, L] int64, -1 padded: output ids of rows with presence/frequency penalties."""
+    num_logprobs: list[int | None] = field(default_factory=list)
+    """[R] how many top alternatives each row returns; None: no logprobs. Empty when no
+    row asks for logprobs."""
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
+        params = [request.sampling_params for request in requests]
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        if not wants_logprobs and all(p.greedy and not p.uses_penalties for p in params):
+            return cls(num_rows=len(requests), fast_greedy=True)
+
+        batch = cls(num_rows=len(requests), fast_greedy=False)
+        if wants_logprobs:
+            batch.num_logprobs = [p.logprobs for p in params]
+        batch._add_penalties(requests, device)
+        batch.sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
+        drawing = [params[row] for row in batch.sampled_rows]
+        if not drawing:
+            return batch
+        if len(drawing) < len(params):
+            batch.sampled_index = _column(batch.sampled_rows, torch.int64, device)
+        batch.generators = [requests[row].generator for row in batch.sampled_rows]
+        batch.temperature = _column(
+            [max(p.temperature, MIN_TEMPERATURE) for p in drawing], torch.float32, device
+        )
+        if any(p.top_k > 0 for p in drawing):
+            batch.top_k = _column([max(p.top_k, 0) for p in drawing], torch.int64, device)
+        if any(p.top_p < 1.0 for p in drawing):
+            batch.top_p = _column([p.top_p for p in drawing], torch.float32, device)
+        if any(p.min_p > 0.0 for p in drawing):
+            batch.min_p = _column([p.min_p for p in drawing], torch.float32, device)
+        return batch
+
+    def _add_penalties(self, requests: list[Request], device: torch.device) -> None:
+        params = [request.sampling_params for request in requests]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            self.repetition_penalty = _column(
+                [p.repetition_penalty for p in params], torch.float32, device
+            )
+            self.seen_token_ids = _pad(
+                [
+                    [*r.prompt_token_ids, *r.output_token_ids]
+                    if p.repetition_penalty != 1.0
+                    else []
+                    for r, p in zip(requests, params, strict=True)
+                ],
+                device,
+            )
+        additive = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+        if any(additive):
+            self.frequency_penalty = _column(
+                [p.frequency_penalty for p in params], torch.float32, device
+            )
+            self.presence_penalty = _column(
+                [p.presence_penalty for p in params], torch.float32, device
+            )
+            self.output_token_ids = _pad(
+                [
+                    list(r.output_token_ids) if used else []
+                    for r, used in zip(requests, additive, strict=True)
+                ],
+                device,
+            )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprob | None]
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] float32 occurrences of each id in each row of the -1 padded `token_ids`.
+    Pads and ids outside the vocabulary land in a spare column that is dropped."""
+    ids = token_ids.masked_fill((token_ids < 0) | (token_ids >= vocab_size), vocab_size)
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (HF), then presence and frequency (OpenAI) penalties; a new tensor
+    when any applies, `logits` itself otherwise."""
+    vocab_size = logits.shape[-1]
+    if batch.repetition_penalty is not None:
+        seen = _token_counts(batch.seen_token_ids, vocab_size) > 0
+        penalty = batch.repetition_penalty.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if batch.frequency_penalty is not None:
+        counts = _token_counts(batch.output_token_ids, vocab_size)
+        logits = (
+            logits
+            - batch.frequency_penalty.unsqueeze(1) * counts
+            - batch.presence_penalty.unsqueeze(1) * (counts > 0).float()
+        )
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Masks to -inf what top-k (0: off) and then top-p (1: off) drop, per row.
+
+    Ties at the k-th value are all kept. The nucleus is the smallest set of the most
+    likely tokens whose mass reaches top_p, computed on the top-k survivors; the most
+    likely token always stays.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab_size = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+        kth_value = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes probabilities below min_p times the row's largest one."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _exponential_noise(
+    shape: tuple[int, int], generators: list[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """[R, V] Exponential(1) noise; rows with a generator draw from it alone."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    if any(generator is None for generator in generators):
+        noise.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            own = torch.empty(shape[1], dtype=torch.float32, device=generator.device)
+            noise[row] = own.exponential_(generator=generator).to(device)
+    return noise.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+class Sampler:
+    """Picks one token per row; see the module docstring for the order of operations."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if batch.fast_greedy:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs else None
+        logits = apply_penalties(logits, batch)
+        tokens = logits.argmax(dim=-1)
+        if batch.sampled_index is not None:
+            tokens[batch.sampled_index] = self._draw(logits[batch.sampled_index], batch)
+        elif batch.sampled_rows:
+            tokens = self._draw(logits, batch)
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, tokens, token_ids, batch))
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token per row of the drawing rows' `logits[S, V]`."""
+        logits = logits / batch.temperature.unsqueeze(1)
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = logits.softmax(dim=-1)
+        if batch.min_p is not None:
+            probs = apply_min_p(probs, batch.min_p)
+        noise = _exponential_noise(tuple(probs.shape), batch.generators, probs.device)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        raw_logprobs: torch.Tensor | None,
+        tokens: torch.Tensor,
+        token_ids: list[int],
+        batch: SamplingBatch,
+    ) -> list[Logprob | None]:
+        if raw_logprobs is None:
+            return [None] * batch.num_rows
+        max_k = max(k for k in batch.num_logprobs if k is not None)
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top_values, top_ids = raw_logprobs.topk(max(max_k, 1), dim=-1)
+        host = torch.cat([chosen.unsqueeze(1), top_values], dim=1).tolist()
+        top_ids = top_ids.tolist()
+        results: list[Logprob | None] = []
+        for row, k in enumerate(batch.num_logprobs):
+            if k is None:
+                results.append(None)
+                continue
+            top = dict(zip(top_ids[row][:k], host[row][1 : k + 1], strict=True))
+            results.append(Logprob(token_ids[row], host[row][0], top))
+        return results

@@ -1,0 +1,254 @@
+"""Sampler: greedy, filters, penalties, seeded draws, distribution, logprobs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from loraplex.platform.request import Request, SamplingParams
+from loraplex.platform.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
+
+CPU = torch.device("cpu")
+VOCAB = 32
+
+
+def make_request(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    name: str = "r",
+) -> Request:
+    request = Request(name, list(prompt or [1, 2, 3]), params)
+    for token_id in output or []:
+        request.append_output_token(token_id, None)
+    return request
+
+
+def sample(logits: torch.Tensor, requests: list[Request]):
+    return Sampler()(logits, SamplingBatch.from_requests(requests, CPU))
+
+
+def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=generator) * 3
+
+
+def test_greedy_fast_path_is_argmax():
+    logits = random_logits(6)
+    requests = [make_request(SamplingParams(temperature=0.0)) for _ in range(6)]
+    batch = SamplingBatch.from_requests(requests, CPU)
+    assert batch.fast_greedy
+    out = Sampler()(logits, batch)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 6
+
+
+def test_greedy_rows_take_argmax_in_a_mixed_batch():
+    logits = random_logits(4, seed=1)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=5),
+    ]
+    out = sample(logits, [make_request(p) for p in params])
+    argmax = logits.argmax(dim=-1).tolist()
+    assert out.token_ids[0] == argmax[0]
+    assert out.token_ids[2] == argmax[2]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.5, top_k=1),
+        SamplingParams(temperature=1.5, top_p=1e-6),
+        SamplingParams(temperature=1.5, min_p=1.0),
+    ],
+    ids=["top_k=1", "tiny top_p", "min_p=1"],
+)
+def test_degenerate_filters_are_greedy(params):
+    logits = random_logits(8, seed=2)
+    for seed in range(5):
+        requests = [make_request(params, name=f"r{i}") for i in range(8)]
+        torch.manual_seed(seed)
+        assert sample(logits, requests).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_and_top_p_masks():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    logits = probs.log()
+    kept_k = apply_top_k_top_p(logits, torch.tensor([2]), None)
+    assert torch.isfinite(kept_k).tolist() == [[False, True, False, True]]
+    assert torch.equal(kept_k[0, [1, 3]], logits[0, [1, 3]])
+    kept_p = apply_top_k_top_p(logits, None, torch.tensor([0.75]))
+    assert torch.isfinite(kept_p).tolist() == [[False, True, False, True]]
+    kept_none = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([1.0]))
+    assert torch.equal(kept_none, logits)
+    # top-p applies to the top-k survivors: of {0.5, 0.3} renormalised, 0.6 takes 0.5 alone.
+    kept_both = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([0.6]))
+    assert torch.isfinite(kept_both).tolist() == [[False, True, False, False]]
+
+
+def test_min_p_mask():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    kept = apply_min_p(probs, torch.tensor([0.5, 0.9]))
+    assert (kept > 0).tolist() == [[True, True, False, False], [True, True, True, True]]
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_p=0.75), {0, 1}),
+        (SamplingParams(min_p=0.4), {0, 1}),
+        (SamplingParams(min_p=0.2), {0, 1, 2}),
+    ],
+    ids=["top_k", "top_p", "min_p", "min_p-wider"],
+)
+def test_filtered_draws_stay_in_the_allowed_set(params, allowed):
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(400, 4).contiguous()
+    requests = [make_request(replace(params, seed=i), name=f"r{i}") for i in range(400)]
+    assert set(sample(logits, requests).token_ids) == allowed
+
+
+def reference_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Row by row, token by token: HF repetition penalty, then OpenAI penalties."""
+    out = logits.clone()
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        for token_id in set(request.prompt_token_ids) | set(request.output_token_ids):
+            value = out[row, token_id].item()
+            penalty = params.repetition_penalty
+            out[row, token_id] = value / penalty if value > 0 else value * penalty
+        for token_id in set(request.output_token_ids):
+            count = request.output_token_ids.count(token_id)
+            out[row, token_id] -= params.frequency_penalty * count + params.presence_penalty
+    return out
+
+
+def test_penalties_match_reference():
+    logits = random_logits(4, seed=4)
+    requests = [
+        make_request(SamplingParams(repetition_penalty=1.3), [1, 2, 5], [5, 7, 7]),
+        make_request(SamplingParams(presence_penalty=0.5), [3, 4], [4, 4, 9]),
+        make_request(SamplingParams(frequency_penalty=0.7), [3], [10, 10, 10, 11]),
+        make_request(
+            SamplingParams(repetition_penalty=0.8, presence_penalty=-0.4, frequency_penalty=1.5),
+            [0, 1, 2, 3, 31],
+            [31, 6, 6],
+        ),
+    ]
+    batch = SamplingBatch.from_requests(requests, CPU)
+    assert torch.allclose(apply_penalties(logits, batch), reference_penalties(logits, requests))
+
+
+def test_penalties_change_greedy_picks():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    plain = make_request(SamplingParams(temperature=0.0), [0], [1])
+    penalised = make_request(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0], [1])
+    assert sample(logits, [plain]).token_ids == [1]
+    assert sample(logits, [penalised]).token_ids == [2]
+    frequency = make_request(SamplingParams(temperature=0.0, frequency_penalty=1.0), [1], [1, 1])
+    assert sample(logits, [frequency]).token_ids == [2]
+
+
+def draw_sequence(logits_row: torch.Tensor, others: list[Request], position: int, steps: int):
+    """Tokens a seeded request draws over `steps` steps while sharing its batch."""
+    target = make_request(SamplingParams(temperature=0.9, top_p=0.95, seed=1234), name="target")
+    tokens = []
+    for step in range(steps):
+        requests = list(others)
+        requests.insert(position, target)
+        filler = random_logits(len(requests), seed=100 + step)
+        filler[position] = logits_row
+        tokens.append(sample(filler, requests).token_ids[position])
+    return tokens
+
+
+def test_seeded_draws_ignore_batch_composition():
+    row = random_logits(1, seed=5)[0] / 3
+    alone = draw_sequence(row, [], 0, steps=6)
+    mixed = [
+        make_request(SamplingParams(temperature=1.0), name="a"),
+        make_request(SamplingParams(temperature=0.5, seed=7, top_k=3), name="b"),
+        make_request(SamplingParams(temperature=0.0, logprobs=1), name="c"),
+    ]
+    assert draw_sequence(row, mixed, 2, steps=6) == alone
+    torch.manual_seed(99)
+    assert draw_sequence(row, mixed[:2], 0, steps=6) == alone
+    assert len(set(alone)) > 1
+
+
+def test_same_seed_different_child_index_differs():
+    logits = torch.zeros(2, 1000)
+    first = Request("a", [1], SamplingParams(seed=11), index=0)
+    second = Request("a-1", [1], SamplingParams(seed=11), index=1)
+    tokens = sample(logits, [first, second]).token_ids
+    assert tokens[0] != tokens[1]
+
+
+def test_temperature_sampling_follows_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    rows = 8000
+    requests = [make_request(SamplingParams(temperature=0.7), name=f"r{i}") for i in range(rows)]
+    torch.manual_seed(0)
+    tokens = torch.tensor(sample(logits.expand(rows, 5).contiguous(), requests).token_ids)
+    frequencies = torch.bincount(tokens, minlength=5).float() / rows
+    expected = (logits / 0.7).softmax(dim=-1)
+    assert torch.allclose(frequencies, expected, atol=0.02, rtol=0), (frequencies, expected)
+
+
+def test_seeded_sampling_follows_softmax():
+    logits = torch.tensor([1.0, 0.0, -0.5])
+    rows = 3000
+    requests = [make_request(SamplingParams(seed=i), name=f"r{i}") for i in range(rows)]
+    tokens = torch.tensor(sample(logits.expand(rows, 3).contiguous(), requests).token_ids)
+    frequencies = torch.bincount(tokens, minlength=3).float() / rows
+    expected = logits.softmax(dim=-1)
+    assert torch.allclose(frequencies, expected, atol=0.03, rtol=0), (frequencies, expected)
+
+
+def test_logprobs_are_raw_log_softmax_with_sorted_top():
+    logits = random_logits(3, seed=6)
+    requests = [
+        make_request(
+            SamplingParams(temperature=0.5, repetition_penalty=1.5, logprobs=4), [1, 2], [3]
+        ),
+        make_request(SamplingParams(temperature=0.0, logprobs=0)),
+        make_request(SamplingParams(temperature=1.0)),
+    ]
+    out = sample(logits, requests)
+    raw = logits.log_softmax(dim=-1)
+    first, second, third = out.logprobs
+    assert third is None
+    assert first.token_id == out.token_ids[0]
+    assert math.isclose(first.logprob, raw[0, first.token_id].item(), rel_tol=1e-6)
+    assert len(first.top) == 4
+    assert list(first.top) == raw[0].argsort(descending=True)[:4].tolist()
+    values = list(first.top.values())
+    assert values == sorted(values, reverse=True)
+    for token_id, value in first.top.items():
+        assert math.isclose(value, raw[0, token_id].item(), rel_tol=1e-6)
+    assert second.top == {}
+    assert second.token_id == logits[1].argmax().item()
+    assert math.isclose(second.logprob, raw[1].max().item(), rel_tol=1e-6)
+
+
+def test_non_float32_logits_and_oversized_top_k():
+    logits = random_logits(2, seed=7).to(torch.bfloat16)
+    requests = [
+        make_request(SamplingParams(top_k=10 * VOCAB, seed=1), name="a"),
+        make_request(SamplingParams(temperature=0.0), name="b"),
+    ]
+    out = sample(logits, requests)
+    assert 0 <= out.token_ids[0] < VOCAB
+    assert out.token_ids[1] == logits[1].float().argmax().item()

@@ -1,12 +1,14 @@
 """Incremental detokenization and stop strings for streaming.
 
-New ids are decoded inside a short window that starts a few tokens back, and the text
-the window held before them is cut off the front (the prefix-offset / read-offset
+New ids are decoded inside a short window that starts with the ids of the previous
+released text, and that text is cut off the front (the prefix-offset / read-offset
 technique), so each call costs O(new tokens) and tokenizers whose decoding depends on
 the previous token (leading spaces, bytes merged across tokens) read as a full decode:
 
-    ids:   ... | p p p p | r r | n n        window text = decode(ids[prefix:])
-               ^prefix   ^read              new text    = window text[len(prefix text):]
+    window: | p p p | o o o |      prefix text = decode(p p p)
+            ^0      ^read          new text    = decode(window)[len(prefix text):]
+
+When the new text settles (below), the open ids become the next window's prefix.
 
 A window whose text ends in U+FFFD is (usually) a multi-byte character whose remaining
 bytes are still to come: that trailing run is held back and the window stays open
@@ -50,7 +52,7 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._longest_stop = max((len(stop) for stop in self._stops), default=0)
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
-        self._prefix_offset = 0
+        """The window: ids already turned into text, then the open ones."""
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         self._window_taken = 0
@@ -83,7 +85,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode_window(self) -> None:
-        window = self._decode(self._ids[self._prefix_offset :])
+        window = self._decode(self._ids)
         start = len(self._prefix_text) + self._window_taken
         settled_end = len(window.rstrip(REPLACEMENT))
         overdue = len(self._ids) - self._read_offset > MAX_OPEN_TOKENS
@@ -95,9 +97,9 @@ class IncrementalDetokenizer:
             self._window_taken = settled_end - len(self._prefix_text)
         self._unsettled = window[max(start, settled_end) :]
         if not self._unsettled and (overdue or len(window) > len(self._prefix_text)):
-            self._prefix_offset = self._read_offset
+            del self._ids[: self._read_offset]
             self._read_offset = len(self._ids)
-            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            self._prefix_text = self._decode(self._ids)
             self._window_taken = 0
 
     def _check_stop(self) -> None:

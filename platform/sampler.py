@@ -6,12 +6,13 @@ forked n > 1 child gets its own row, holding a copy of its parent's logits). Per
     logits  = repetition penalty   (HF: over prompt + output ids; >0 divide, else multiply)
     logits -= frequency * count + presence * (count > 0)   (OpenAI: over output ids only)
     greedy rows:  token = argmax(logits)
-    sampled rows: logits /= temperature; keep top-k; keep top-p nucleus; drop tokens with
-                  p < min_p * p_max; token = argmax(p / q), q ~ Exponential(1) per entry
+    sampled rows: logits /= temperature; keep top-k, then the top-p nucleus; w = exp(logits
+                  - max); drop w < min_p; token = first id with cumsum(w) > u * sum(w)
 
-`argmax(p / q)` with exponential noise draws exactly from p (the exponential race), and
-lets a row with its own `torch.Generator` draw its noise alone, so a seeded request
-gets the same token whatever else shares its batch. Logprobs follow vLLM's default:
+Each drawing row takes a single uniform u, from its own `torch.Generator` when it has
+one (a seeded request), else from the global RNG. The weights stay unnormalised and are
+summed in vocabulary order, so a seeded row's token depends only on its logits and its
+generator, never on the other rows of the batch. Logprobs follow vLLM's default:
 log_softmax of the raw logits, before penalties, temperature and filtering.
 """
 
@@ -60,6 +61,8 @@ class SamplingBatch:
     """[S] float32, at least MIN_TEMPERATURE."""
     top_k: torch.Tensor | None = None
     """[S] int64; 0 means off."""
+    max_top_k: int = 0
+    """The largest top-k when every drawing row has one, else 0."""
     top_p: torch.Tensor | None = None
     """[S] float32."""
     min_p: torch.Tensor | None = None
@@ -101,6 +104,8 @@ class SamplingBatch:
         )
         if any(p.top_k > 0 for p in drawing):
             batch.top_k = _column([max(p.top_k, 0) for p in drawing], torch.int64, device)
+            if all(p.top_k > 0 for p in drawing):
+                batch.max_top_k = max(p.top_k for p in drawing)
         if any(p.top_p < 1.0 for p in drawing):
             batch.top_p = _column([p.top_p for p in drawing], torch.float32, device)
         if any(p.min_p > 0.0 for p in drawing):
@@ -141,6 +146,8 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
+    """One sampled token per row, and its Logprob where the row asked for logprobs."""
+
     token_ids: list[int]
     logprobs: list[Logprob | None]
 
@@ -174,56 +181,76 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int = 0,
 ) -> torch.Tensor:
     """Masks to -inf what top-k (0: off) and then top-p (1: off) drop, per row.
 
-    Ties at the k-th value are all kept. The nucleus is the smallest set of the most
-    likely tokens whose mass reaches top_p, computed on the top-k survivors; the most
-    likely token always stays.
+    Top-k keeps exactly k tokens (ties at the k-th value broken by sort order). The
+    nucleus is the smallest set of the most likely top-k survivors whose mass reaches
+    top_p, so the most likely token always stays. `max_top_k > 0` promises that every
+    row has a top-k of at most that: only that many logits per row get sorted (`topk`)
+    instead of the whole row.
     """
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    vocab_size = logits.shape[-1]
+    if max_top_k > 0:
+        best, order = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1)
+    else:
+        best, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(best.shape[-1], device=logits.device)
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
-        kth_value = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+        k = torch.where(top_k > 0, top_k, best.shape[-1]).unsqueeze(1)
+        best = best.masked_fill(rank >= k, float("-inf"))
     if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        probs = best.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        best = best.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, best)
 
 
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zeroes probabilities below min_p times the row's largest one."""
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return probs.masked_fill(probs < threshold, 0.0)
+def apply_min_p(weights: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes `weights` (probabilities scaled so each row's largest is 1) below min_p."""
+    return weights.masked_fill(weights < min_p.unsqueeze(1), 0.0)
 
 
-def _exponential_noise(
-    shape: tuple[int, int], generators: list[torch.Generator | None], device: torch.device
-) -> torch.Tensor:
-    """[R, V] Exponential(1) noise; rows with a generator draw from it alone."""
-    noise = torch.empty(shape, dtype=torch.float32, device=device)
-    if any(generator is None for generator in generators):
-        noise.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            own = torch.empty(shape[1], dtype=torch.float32, device=generator.device)
-            noise[row] = own.exponential_(generator=generator).to(device)
-    return noise.clamp_(min=torch.finfo(torch.float32).tiny)
+def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[S] uniforms in [0, 1); a row with a generator takes one draw from it."""
+    seeded = [row for row, generator in enumerate(generators) if generator is not None]
+    if len(seeded) == len(generators):
+        uniforms = torch.empty(len(generators), dtype=torch.float32, device=device)
+    else:
+        uniforms = torch.rand(len(generators), dtype=torch.float32, device=device)
+    if seeded:
+        draws = [
+            torch.rand((), generator=generators[row], device=generators[row].device).item()
+            for row in seeded
+        ]
+        index = torch.tensor(seeded, dtype=torch.int64, device=device)
+        uniforms[index] = torch.tensor(draws, dtype=torch.float32, device=device)
+    return uniforms
+
+
+def draw_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[S] token ids: per row the first id whose cumulative weight exceeds u * total.
+
+    The target is kept strictly below the total, so a zero-weight id is never picked.
+    """
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 class Sampler:
     """Picks one token per row; see the module docstring for the order of operations."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if logits.dtype != torch.float32:
-            logits = logits.float()
         if batch.fast_greedy:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
 
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs else None
         logits = apply_penalties(logits, batch)
@@ -240,12 +267,11 @@ class Sampler:
         """One token per row of the drawing rows' `logits[S, V]`."""
         logits = logits / batch.temperature.unsqueeze(1)
         if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p, batch.max_top_k)
+        weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
         if batch.min_p is not None:
-            probs = apply_min_p(probs, batch.min_p)
-        noise = _exponential_noise(tuple(probs.shape), batch.generators, probs.device)
-        return (probs / noise).argmax(dim=-1)
+            weights = apply_min_p(weights, batch.min_p)
+        return draw_inverse_cdf(weights, _uniforms(batch.generators, logits.device))
 
     @staticmethod
     def _logprobs(

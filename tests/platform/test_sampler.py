@@ -15,6 +15,7 @@ from loraplex.platform.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    draw_inverse_cdf,
 )
 
 CPU = torch.device("cpu")
@@ -83,25 +84,38 @@ def test_degenerate_filters_are_greedy(params):
         assert sample(logits, requests).token_ids == logits.argmax(dim=-1).tolist()
 
 
-def test_top_k_and_top_p_masks():
+@pytest.mark.parametrize("max_top_k", [0, 2, 3])
+def test_top_k_and_top_p_masks(max_top_k):
     probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
     logits = probs.log()
-    kept_k = apply_top_k_top_p(logits, torch.tensor([2]), None)
+    kept_k = apply_top_k_top_p(logits, torch.tensor([2]), None, max_top_k)
     assert torch.isfinite(kept_k).tolist() == [[False, True, False, True]]
     assert torch.equal(kept_k[0, [1, 3]], logits[0, [1, 3]])
+    # top-p applies to the top-k survivors: of {0.5, 0.3} renormalised, 0.6 takes 0.5 alone.
+    kept_both = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([0.6]), max_top_k)
+    assert torch.isfinite(kept_both).tolist() == [[False, True, False, False]]
+
+
+def test_top_p_alone_and_disabled():
+    logits = torch.tensor([[0.15, 0.5, 0.05, 0.3]]).log()
     kept_p = apply_top_k_top_p(logits, None, torch.tensor([0.75]))
     assert torch.isfinite(kept_p).tolist() == [[False, True, False, True]]
     kept_none = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([1.0]))
     assert torch.equal(kept_none, logits)
-    # top-p applies to the top-k survivors: of {0.5, 0.3} renormalised, 0.6 takes 0.5 alone.
-    kept_both = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([0.6]))
-    assert torch.isfinite(kept_both).tolist() == [[False, True, False, False]]
+    tiny_tail = torch.tensor([[30.0, 0.0, -5.0, -80.0]])
+    assert torch.equal(apply_top_k_top_p(tiny_tail, None, torch.tensor([1.0])), tiny_tail)
 
 
 def test_min_p_mask():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
-    kept = apply_min_p(probs, torch.tensor([0.5, 0.9]))
+    weights = torch.tensor([[1.0, 0.6, 0.3, 0.1], [1.0, 1.0, 1.0, 1.0]])
+    kept = apply_min_p(weights, torch.tensor([0.5, 0.9]))
     assert (kept > 0).tolist() == [[True, True, False, False], [True, True, True, True]]
+
+
+def test_inverse_cdf_draw_never_picks_zero_weight():
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0]]).expand(5, 5)
+    uniforms = torch.tensor([0.0, 0.5, 0.66, 0.67, 1.0 - 2**-24])
+    assert draw_inverse_cdf(weights, uniforms).tolist() == [1, 1, 1, 3, 3]
 
 
 @pytest.mark.parametrize(
@@ -161,9 +175,15 @@ def test_penalties_change_greedy_picks():
     assert sample(logits, [frequency]).token_ids == [2]
 
 
-def draw_sequence(logits_row: torch.Tensor, others: list[Request], position: int, steps: int):
+def draw_sequence(
+    params: SamplingParams,
+    logits_row: torch.Tensor,
+    others: list[Request],
+    position: int,
+    steps: int,
+) -> list[int]:
     """Tokens a seeded request draws over `steps` steps while sharing its batch."""
-    target = make_request(SamplingParams(temperature=0.9, top_p=0.95, seed=1234), name="target")
+    target = make_request(params, name="target")
     tokens = []
     for step in range(steps):
         requests = list(others)
@@ -174,17 +194,28 @@ def draw_sequence(logits_row: torch.Tensor, others: list[Request], position: int
     return tokens
 
 
-def test_seeded_draws_ignore_batch_composition():
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, seed=1234),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=1234),
+        SamplingParams(temperature=0.9, top_k=6, top_p=0.9, min_p=0.02, seed=1234),
+    ],
+    ids=["plain", "top_p", "top_k+top_p+min_p"],
+)
+def test_seeded_draws_ignore_batch_composition(params):
     row = random_logits(1, seed=5)[0] / 3
-    alone = draw_sequence(row, [], 0, steps=6)
+    alone = draw_sequence(params, row, [], 0, steps=8)
     mixed = [
-        make_request(SamplingParams(temperature=1.0), name="a"),
+        make_request(SamplingParams(temperature=1.0, top_p=0.5), name="a"),
         make_request(SamplingParams(temperature=0.5, seed=7, top_k=3), name="b"),
         make_request(SamplingParams(temperature=0.0, logprobs=1), name="c"),
+        make_request(SamplingParams(presence_penalty=1.0), [4], [5, 5], name="d"),
     ]
-    assert draw_sequence(row, mixed, 2, steps=6) == alone
+    assert draw_sequence(params, row, mixed, 2, steps=8) == alone
     torch.manual_seed(99)
-    assert draw_sequence(row, mixed[:2], 0, steps=6) == alone
+    assert draw_sequence(params, row, mixed[1:2], 0, steps=8) == alone
+    assert draw_sequence(params, row, mixed[::-1], 4, steps=8) == alone
     assert len(set(alone)) > 1
 
 
@@ -196,14 +227,26 @@ def test_same_seed_different_child_index_differs():
     assert tokens[0] != tokens[1]
 
 
-def test_temperature_sampling_follows_softmax():
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (
+            SamplingParams(temperature=0.7),
+            (torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]) / 0.7).softmax(0),
+        ),
+        (SamplingParams(top_k=2), torch.tensor([2.0, 1.0]).softmax(0).tolist() + [0, 0, 0]),
+        (SamplingParams(top_p=0.8), torch.tensor([2.0, 1.0, 0.5]).softmax(0).tolist() + [0, 0]),
+    ],
+    ids=["temperature", "top_k", "top_p"],
+)
+def test_sampling_frequencies_follow_the_kept_softmax(params, expected):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
-    rows = 8000
-    requests = [make_request(SamplingParams(temperature=0.7), name=f"r{i}") for i in range(rows)]
+    rows = 6000
+    requests = [make_request(params, name=f"r{i}") for i in range(rows)]
     torch.manual_seed(0)
     tokens = torch.tensor(sample(logits.expand(rows, 5).contiguous(), requests).token_ids)
     frequencies = torch.bincount(tokens, minlength=5).float() / rows
-    expected = (logits / 0.7).softmax(dim=-1)
+    expected = torch.as_tensor(expected, dtype=torch.float32)
     assert torch.allclose(frequencies, expected, atol=0.02, rtol=0), (frequencies, expected)
 
 

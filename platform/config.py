@@ -30,7 +30,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     try:
         return _DTYPES[dtype.lower()]
     except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(set(_DTYPES))}") from None
+        raise ValueError(
+            f"unsupported dtype {dtype!r}; use one of {sorted(set(_DTYPES))}"
+        ) from None
 
 
 @dataclass(frozen=True)

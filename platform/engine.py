@@ -31,7 +31,11 @@ def device_memory_bytes(device: torch.device) -> int:
 
 
 def plan_num_blocks(
-    cache: CacheConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device, max_model_len: int
+    cache: CacheConfig,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
 ) -> int:
     """Number of KV blocks the memory budget buys; fails if one max_model_len sequence
     would not fit, naming the numbers."""
@@ -77,8 +81,12 @@ class LLMEngine:
         num_blocks = plan_num_blocks(
             cache, arch, config.model.dtype, self.device, self.max_model_len
         )
-        kv_caches = allocate_kv_caches(arch, num_blocks, cache.block_size, config.model.dtype, self.device)
-        self.kv_cache = KVCacheManager(BlockPool(num_blocks), cache.block_size, cache.enable_prefix_caching)
+        kv_caches = allocate_kv_caches(
+            arch, num_blocks, cache.block_size, config.model.dtype, self.device
+        )
+        self.kv_cache = KVCacheManager(
+            BlockPool(num_blocks), cache.block_size, cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(model, kv_caches, cache.block_size, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)

@@ -98,7 +98,7 @@ class KVCacheManager:
         if num_new_blocks > 0:
             table = table + self.pool.allocate(num_new_blocks)
         self._tables[request.request_id] = table
-        self._publish_full_blocks(request, table, total)
+        self._publish_full_blocks(request, table, num_computed, total)
         return True
 
     def _needs_copy_on_write(self, table: list[Block], num_computed: int) -> bool:
@@ -112,14 +112,19 @@ class KVCacheManager:
         self._pending_copies.append((shared.block_id, private.block_id))
         return table[:-1] + [private]
 
-    def _publish_full_blocks(self, request: Request, table: list[Block], num_tokens: int) -> None:
-        """Caches blocks that are full once this step's tokens are written. The step writes
-        every token's K/V before any attention reads, so same-step hits are safe."""
+    def _publish_full_blocks(
+        self, request: Request, table: list[Block], num_computed: int, num_tokens: int
+    ) -> None:
+        """Caches the blocks this step fills (those before `num_computed` already are).
+        The step writes every token's K/V before any attention reads, so same-step hits
+        are safe."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        for block, block_hash in zip(table[:num_full], self._block_hashes(request, num_full)):
-            self.pool.cache(block, block_hash)
+        first = num_computed // self.block_size
+        num_full = num_tokens // self.block_size
+        hashes = self._block_hashes(request, num_full)
+        for index in range(first, num_full):
+            self.pool.cache(table[index], hashes[index])
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent's table (copy-on-write later)."""

@@ -51,7 +51,7 @@ class LLM:
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         groups = [
             self.engine.make_request_group(request_id, prompt, p)
-            for request_id, prompt, p in zip(request_ids, prompts, params)
+            for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
         ]
         for group in groups:
             self.engine.add_group(group)

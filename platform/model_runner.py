@@ -62,7 +62,7 @@ class ModelRunner:
         return {
             request.request_id: (token_id, logprob)
             for request, token_id, logprob in zip(
-                inputs.sample_requests, sampled.token_ids, sampled.logprobs
+                inputs.sample_requests, sampled.token_ids, sampled.logprobs, strict=False
             )
         }
 

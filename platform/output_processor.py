@@ -79,7 +79,7 @@ class OutputProcessor:
                 if member.sampling_params.logprobs is not None
                 else None,
             )
-            for member, detokenizer in zip(group.members, group.detokenizers)
+            for member, detokenizer in zip(group.members, group.detokenizers, strict=True)
         ]
         head = group.members[0]
         return RequestOutput(

@@ -192,7 +192,9 @@ class Scheduler:
         self.waiting.push(request)
 
     # ---- after the model ran ---------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[str, tuple[int, object]]) -> list[Request]:
+    def update(
+        self, output: SchedulerOutput, sampled: dict[str, tuple[int, object]]
+    ) -> list[Request]:
         """Advances computed counts, appends sampled tokens, forks siblings and finishes
         requests that hit a stop token or a length limit. Returns the requests that got
         a new token this step (finished ones included)."""

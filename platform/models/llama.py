@@ -17,7 +17,7 @@ from torch import nn
 
 from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.layers.attention import PagedAttention
-from loraplex.platform.layers.linear import Linear, MergedLinear
+from loraplex.platform.layers.linear import Linear, MergedLinear, linear
 from loraplex.platform.layers.norm import RMSNorm
 from loraplex.platform.layers.rotary import RotaryEmbedding, apply_rotary
 from loraplex.platform.models.arch import ModelArch
@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> float32 logits [R, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, None).float()
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """HF checkpoint tensor name -> where it goes in this model."""

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from loraplex.platform import LLM, AsyncEngine, SamplingParams
-from loraplex.platform.engine import LLMEngine
 from loraplex.platform.config import EngineConfig
+from loraplex.platform.engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_logprobs_are_returned_per_token(llm):
     )
     logprobs = output.outputs[0].logprobs
     assert len(logprobs) == 4
-    for token_id, step in zip(output.token_ids, logprobs):
+    for token_id, step in zip(output.token_ids, logprobs, strict=True):
         assert step.token_id == token_id
         assert len(step.top) == 3
         assert step.logprob == pytest.approx(max(step.top.values()), abs=1e-5)

@@ -59,7 +59,11 @@ def hf_greedy(folder, prompts: list[list[int]], max_new: int, stop_at_eos: bool)
             )
             new = generated[0, len(prompt) :].tolist()
             eos = model.generation_config.eos_token_id
-            eos_ids = set(eos if isinstance(eos, list) else [eos]) if stop_at_eos and eos is not None else set()
+            eos_ids = (
+                set(eos if isinstance(eos, list) else [eos])
+                if stop_at_eos and eos is not None
+                else set()
+            )
             cut = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
             outputs.append(new[:cut])
     return outputs
@@ -96,7 +100,7 @@ def test_tiny_models_match_hf_in_every_mode(tiny_reference, mode):
         assert llm.engine.scheduler.num_preemptions > 0, "the KV budget did not force preemption"
     if mode == "defaults":
         assert llm.engine.kv_cache.prefix_hits > 0, "shared prefixes did not hit the cache"
-    for index, (ours, theirs) in enumerate(zip(got, expected)):
+    for index, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
         assert ours == theirs, f"prompt {index} (len {len(prompts[index])}) differs in mode {mode}"
 
 
@@ -148,5 +152,5 @@ def test_default_model_matches_hf(default_reference, mode):
     )
     if mode == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
-    for index, (ours, theirs) in enumerate(zip(got, expected)):
+    for index, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
         assert ours == theirs, f"prompt {index} differs in mode {mode}"

@@ -23,6 +23,7 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> None:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w1"
     tokenizer.save_pretrained(folder)
 
 

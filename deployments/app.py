@@ -1,0 +1,46 @@
+"""`serve run serve_config.yaml` entry point: one ModelServer deployment per base model
+behind one OpenAI ingress. `build_app(args)` takes serve_config.yaml's `args`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from loraplex.deployments.config import ModelDeploymentConfig, PlatformConfig
+from loraplex.deployments.ingress import OpenAIIngress
+from loraplex.deployments.model_server import ModelServer
+
+
+def model_deployment_name(name: str) -> str:
+    return f"model-{name}"
+
+
+def bind_model_server(config: ModelDeploymentConfig) -> Application:
+    server = config.server
+    scaling: dict[str, Any] = (
+        {"autoscaling_config": server.autoscaling_config}
+        if server.autoscaling_config is not None
+        else {"num_replicas": server.num_replicas}
+    )
+    deployment = serve.deployment(
+        ModelServer,
+        name=model_deployment_name(config.name),
+        ray_actor_options={"num_cpus": server.num_cpus, "num_gpus": server.num_gpus},
+        max_ongoing_requests=server.max_ongoing_requests,
+        max_queued_requests=server.max_queued_requests,
+        health_check_period_s=server.health_check_period_s,
+        graceful_shutdown_timeout_s=server.graceful_shutdown_timeout_s,
+        **scaling,
+    )
+    return deployment.bind(config)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    config = PlatformConfig.model_validate(args)
+    servers = [bind_model_server(model) for model in config.models]
+    return OpenAIIngress.options(
+        ray_actor_options={"num_cpus": config.ingress.num_cpus},
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+    ).bind([model.name for model in config.models], servers)

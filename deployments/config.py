@@ -49,7 +49,9 @@ class ModelDeploymentConfig(StrictConfig):
             self.engine_config()
         except TypeError as exc:
             known = ", ".join(EngineConfig.option_names())
-            raise ValueError(f"model {self.name!r}: bad engine option ({exc}); known: {known}")
+            raise ValueError(
+                f"model {self.name!r}: bad engine option ({exc}); known: {known}"
+            ) from None
         return self
 
     def engine_config(self) -> EngineConfig:

@@ -138,7 +138,8 @@ def test_format_report_shows_rates_ratio_and_load():
 
 def test_generate_streams_from_the_engine(tiny_model_factory, capsys):
     folder = tiny_model_factory("llama")
-    code = cli.main(["generate", "w1 w2 w3", "--model", str(folder), "--max-tokens", "4"])
+    argv = ["generate", "w1 w2 w3", "--no-chat", "--model", str(folder), "--max-tokens", "4"]
+    code = cli.main(argv)
     assert code == 0
     streamed = capsys.readouterr().out
     llm = LLM(model=str(folder))

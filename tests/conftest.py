@@ -72,11 +72,14 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path
         raise ValueError(kind)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init is tiny; widen the logits spread so greedy picks are not near-ties.
+    # Random init is tiny and biases start at zero: widen the logits spread so greedy
+    # picks are not near-ties, and give Qwen2's q/k/v biases real values to load.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("weight") and param.dim() == 2:
                 param.normal_(0.0, 0.08)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     save_tiny_tokenizer(folder, config.vocab_size)
     return folder

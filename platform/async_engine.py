@@ -1,7 +1,8 @@
 """AsyncEngine: the LLMEngine's step loop on a background thread, fed by coroutines.
 
-`generate()` validates in the caller (bad input raises ValueError there), hands the
-request to the loop thread and yields cumulative RequestOutputs as they arrive; when
+`generate()` validates in the caller (bad input raises ValueError there), waits for
+its adapter to load (on the adapter store's threads, so the step loop keeps serving
+other requests meanwhile), hands the request to the loop thread and yields cumulative RequestOutputs as they arrive; when
 the consumer lags, only the newest output is kept (each one contains the previous).
 Leaving the iterator early (client disconnect, cancellation) aborts the request, which
 frees its KV blocks on the next loop turn. If the loop dies, every waiting consumer
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
 
@@ -79,11 +81,15 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        adapter: str | LoRAAdapter | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs until the request finishes. ValueError on bad input."""
+        """Yields cumulative outputs until the request finishes. ValueError on bad input
+        (an unknown or invalid adapter included). `adapter`: a registered name, an
+        adapter folder or a loaded adapter; None runs the base model."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
-        group = self.engine.make_request_group(request_id, prompt, params, priority)
+        lora = await self.load_adapter(adapter)
+        group = self.engine.make_request_group(request_id, prompt, params, priority, lora=lora)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -101,6 +107,14 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._send(_Abort(request_id))
+
+    async def load_adapter(self, adapter: str | LoRAAdapter | None) -> LoRAAdapter | None:
+        """Loads an adapter off the event loop and off the engine loop."""
+        if adapter is None or isinstance(adapter, LoRAAdapter):
+            return adapter
+        if self.engine.adapters is None:
+            raise ValueError("LoRA is disabled on this engine (max_loras=0)")
+        return await asyncio.wrap_future(self.engine.adapters.load_async(adapter))
 
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))

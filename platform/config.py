@@ -106,10 +106,42 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving limits.
+
+    `max_loras` device slots hold the adapters a step may use (at most that many distinct
+    adapters run at once; 0 disables LoRA). `max_lora_rank` sizes each slot; adapters of
+    a higher rank are refused. `max_cpu_loras` adapters stay loaded in host memory (LRU).
+    `adapter_root` is the folder whose subfolders are registered by name at start.
+    """
+
+    max_loras: int = 8
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 64
+    adapter_root: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < max(self.max_loras, 1):
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max(max_loras, 1) "
+                f"({max(self.max_loras, 1)})"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def create(
@@ -129,6 +161,10 @@ class EngineConfig:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        max_loras: int = 8,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int = 64,
+        adapter_root: str | None = None,
     ) -> EngineConfig:
         """Builds the frozen configs from flat user options (the `LLM(...)` keywords)."""
         return cls(
@@ -152,10 +188,16 @@ class EngineConfig:
                 enable_chunked_prefill=enable_chunked_prefill,
                 policy=policy,
             ),
+            lora=LoRAConfig(
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
+                adapter_root=adapter_root,
+            ),
         )
 
     @staticmethod
     def option_names() -> tuple[str, ...]:
         """The keyword names `create` accepts (for CLI flags and error messages)."""
-        sections = (ModelConfig, CacheConfig, SchedulerConfig)
+        sections = (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig)
         return tuple(f.name for s in sections for f in dataclasses.fields(s))

@@ -9,6 +9,10 @@ from collections.abc import Sequence
 
 import torch
 
+from loraplex.adapters.peft_format import LoRAAdapter
+from loraplex.adapters.slots import LoRASlots
+from loraplex.adapters.store import AdapterStore
+from loraplex.kernels.lora import lora_backend
 from loraplex.platform.block_pool import BlockPool
 from loraplex.platform.config import CacheConfig, EngineConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
@@ -87,12 +91,24 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(
             BlockPool(num_blocks), cache.block_size, cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
-        self.runner = ModelRunner(model, kv_caches, cache.block_size, self.device)
+        lora = config.lora
+        self.adapters: AdapterStore | None = None
+        lora_slots = None
+        if lora.enabled:
+            self.adapters = AdapterStore(
+                arch, lora.max_lora_rank, lora.max_cpu_loras, lora.adapter_root
+            )
+            lora_slots = LoRASlots(
+                model.lora_targets(), lora.max_loras, lora.max_lora_rank, lora_backend(self.device)
+            )
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, self.max_model_len, lora.max_loras
+        )
+        self.runner = ModelRunner(model, kv_caches, cache.block_size, self.device, lora_slots)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s device=%s blocks=%d x %d tokens, "
-            "max_model_len=%d",
+            "max_model_len=%d, lora slots=%d x rank %d (%.1f MiB)",
             time.monotonic() - started,
             config.model.model,
             config.model.dtype,
@@ -100,7 +116,29 @@ class LLMEngine:
             num_blocks,
             cache.block_size,
             self.max_model_len,
+            lora.max_loras,
+            lora.max_lora_rank,
+            (lora_slots.num_bytes if lora_slots else 0) / 2**20,
         )
+
+    # ---- adapters ------------------------------------------------------------------
+    def _store(self) -> AdapterStore:
+        if self.adapters is None:
+            raise ValueError("LoRA is disabled on this engine (max_loras=0)")
+        return self.adapters
+
+    def register_adapter(self, name: str, folder: str) -> None:
+        """Names an adapter folder at runtime; requests may then use the name."""
+        self._store().register(name, folder)
+
+    def unregister_adapter(self, name: str) -> None:
+        self._store().unregister(name)
+
+    def load_adapter(self, adapter: str | LoRAAdapter | None) -> LoRAAdapter | None:
+        """A registered name or a folder -> the validated, loaded adapter (blocking)."""
+        if adapter is None or isinstance(adapter, LoRAAdapter):
+            return adapter
+        return self._store().load(adapter)
 
     # ---- requests ------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -115,8 +153,10 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> list[Request]:
-        """Validates a prompt and builds its n Requests. Raises ValueError on bad input."""
+        """Validates a prompt and builds its n Requests. Raises ValueError on bad input.
+        `lora` is an adapter already loaded (see `load_adapter`)."""
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: it must contain at least one token")
@@ -139,6 +179,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
                 priority=priority,
+                lora=lora,
                 group_id=request_id,
                 index=index,
             )
@@ -158,8 +199,13 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         priority: int = 0,
+        adapter: str | LoRAAdapter | None = None,
     ) -> None:
-        self.add_group(self.make_request_group(request_id, prompt, params, priority))
+        """Queues a request; `adapter` is a registered name, an adapter folder or a loaded
+        adapter (None: the base model). Loading a new adapter here blocks the caller;
+        AsyncEngine loads off the loop instead."""
+        lora = self.load_adapter(adapter)
+        self.add_group(self.make_request_group(request_id, prompt, params, priority, lora=lora))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Aborts a request group at any time; its blocks are freed at once."""
@@ -181,10 +227,21 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         kv = self.kv_cache
-        return {
+        stats = {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": kv.pool.usage,
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
         }
+        slots = self.runner.lora_slots
+        if self.adapters is not None and slots is not None:
+            stats.update(
+                lora_resident=len(slots.resident),
+                lora_slot_loads=slots.stats.loads,
+                lora_slot_evictions=slots.stats.evictions,
+                lora_host_cached=self.adapters.num_cached,
+                lora_host_loads=self.adapters.stats.loads,
+                lora_host_evictions=self.adapters.stats.evictions,
+            )
+        return stats

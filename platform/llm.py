@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import RequestOutput, SamplingParams
@@ -39,34 +40,59 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generates for every prompt (a string or a list of token ids); outputs come back
-        in prompt order. `adapters` arrives with multi-LoRA support."""
+        in prompt order. `adapters` gives each prompt's LoRA adapter: a registered name,
+        an adapter folder, or None for the base model. Adapters load in parallel first,
+        so an invalid one raises before anything runs."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if adapters is not None and any(a is not None for a in adapters):
-            raise ValueError("LoRA adapters are not supported by this engine yet")
         params = self._expand_params(sampling_params, len(prompts))
+        loras = self._load_adapters(adapters, len(prompts))
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         groups = [
-            self.engine.make_request_group(request_id, prompt, p)
-            for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
+            self.engine.make_request_group(request_id, prompt, p, lora=lora)
+            for request_id, prompt, p, lora in zip(request_ids, prompts, params, loras, strict=True)
         ]
         for group in groups:
             self.engine.add_group(group)
         return self._run(request_ids, use_tqdm)
 
+    def register_adapter(self, name: str, folder: str) -> None:
+        """Names an adapter folder; later `generate(..., adapters=[name])` may use it."""
+        self.engine.register_adapter(name, folder)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.engine.unregister_adapter(name)
+
+    def _load_adapters(
+        self, adapters: Sequence[str | None] | None, count: int
+    ) -> list[LoRAAdapter | None]:
+        if adapters is None:
+            return [None] * count
+        adapters = list(adapters)
+        if len(adapters) != count:
+            raise ValueError(f"{len(adapters)} adapters for {count} prompts")
+        specs = {spec for spec in adapters if spec is not None}
+        if specs and self.engine.adapters is None:
+            raise ValueError("LoRA is disabled on this engine (max_loras=0)")
+        futures = {spec: self.engine.adapters.load_async(spec) for spec in specs}
+        loaded = {spec: future.result() for spec, future in futures.items()}
+        return [None if spec is None else loaded[spec] for spec in adapters]
+
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: Sequence[str | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template (with the generation prompt) and generates."""
+        """Applies the tokenizer's chat template (with the generation prompt) and generates;
+        `adapters` as in `generate`, one per conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.chat_prompt_ids(conversation) for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, adapters, use_tqdm=use_tqdm)
 
     def chat_prompt_ids(self, conversation: Sequence[Message]) -> list[int]:
         encoded = self.tokenizer.apply_chat_template(

@@ -3,6 +3,10 @@
 Per step it builds the flattened batch (decodes first, then prefill chunks; see
 attention_metadata.py), applies pending copy-on-write block copies, runs the model,
 computes logits only for the rows that sample, and lets the sampler pick tokens.
+
+With LoRA, the step's adapters are made resident in device slots first, and decodes
+and prefill chunks are each ordered by slot so every adapter's tokens are contiguous
+(one segment per adapter and kind; see kernels/lora.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loraplex.adapters.slots import LoRASlots
+from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.request import Logprob, Request
 from loraplex.platform.sampler import Sampler, SamplingBatch
@@ -23,6 +29,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    lora: LoRABatch | None
     sample_rows: torch.Tensor
     """[R] index into the step's tokens of each sampling row (repeats for forks)."""
     sample_requests: list[Request]
@@ -41,11 +48,13 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.lora_slots = lora_slots
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -53,7 +62,9 @@ class ModelRunner:
         """Runs one step; returns request id -> (sampled token, logprob or None)."""
         self._copy_blocks(output.block_copies)
         inputs = self.prepare_inputs(output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
+        )
         if not inputs.sample_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -74,9 +85,25 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]
 
+    def _slots(self, output: SchedulerOutput) -> dict[bytes, int]:
+        """Adapter key -> device slot for this step's adapters (loaded as needed)."""
+        adapters = [s.request.lora for s in output.scheduled if s.request.lora is not None]
+        if not adapters:
+            return {}
+        if self.lora_slots is None:
+            raise RuntimeError("a request uses a LoRA adapter, but LoRA is disabled")
+        return self.lora_slots.activate(adapters)
+
     def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
-        decodes = [s for s in output.scheduled if s.num_tokens == 1]
-        prefills = [s for s in output.scheduled if s.num_tokens > 1]
+        slot_of = self._slots(output)
+
+        def slot(item: ScheduledRequest) -> int:
+            key = item.request.adapter_key
+            return -1 if key is None else slot_of[key]
+
+        decodes = sorted((s for s in output.scheduled if s.num_tokens == 1), key=slot)
+        prefills = sorted((s for s in output.scheduled if s.num_tokens > 1), key=slot)
+        token_slots: list[int] = []
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -88,6 +115,7 @@ class ModelRunner:
             start = request.num_computed_tokens
             stop = start + item.num_tokens
             token_ids.extend(request.all_token_ids[start:stop])
+            token_slots.extend([slot(item)] * item.num_tokens)
             positions.extend(range(start, stop))
             table = item.block_ids
             slots.extend(table[p // size] * size + p % size for p in range(start, stop))
@@ -111,10 +139,16 @@ class ModelRunner:
             prefill_seq_lens=[_context_after(s) for s in prefills],
             prefill_block_tables=_pad_tables([s.block_ids for s in prefills], device),
         )
+        lora = None
+        if slot_of:
+            lora = LoRABatch.from_token_slots(
+                token_slots, len(decodes), device, self.lora_slots.slot_ranks()
+            )
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             meta=meta,
+            lora=lora,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
             sample_requests=sample_requests,
         )

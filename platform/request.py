@@ -6,8 +6,12 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from loraplex.adapters.peft_format import LoRAAdapter
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,8 @@ class Request:
 
     `all_token_ids` is prompt + generated so far; `num_computed_tokens` counts the
     tokens whose K/V sit in the cache. After a preemption the request recomputes
-    `all_token_ids` from scratch (prefix-cache hits make that cheap).
+    `all_token_ids` from scratch (prefix-cache hits make that cheap). `lora` is the
+    loaded adapter the request runs with (None = base model).
     """
 
     request_id: str
@@ -123,7 +128,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
-    adapter_key: bytes | None = None
+    lora: LoRAAdapter | None = None
     group_id: str = ""
     index: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -144,6 +149,11 @@ class Request:
         seed = self.sampling_params.seed
         if seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(seed * 1_000_003 + self.index)
+
+    @property
+    def adapter_key(self) -> bytes | None:
+        """Identity of the adapter (a hash of its weights and config), or None for base."""
+        return self.lora.key if self.lora is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

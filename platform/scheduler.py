@@ -8,11 +8,17 @@ preempted: its blocks are freed and it later recomputes prompt + generated token
 
 n > 1 sampling: child 0 of a group computes the prompt; its siblings wait outside the
 queues and fork child 0's blocks the step its first token is sampled.
+
+LoRA: at most `max_loras` distinct adapters run at once (one device slot each). A
+waiting request whose adapter would need a slot while all are taken is skipped, and
+from then on only base-model requests may pass it: requests for resident adapters
+queue behind it, so the running adapters drain and a slot frees within the longest
+running request's remaining tokens (bounded wait, no starvation).
 """
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import itertools
 from dataclasses import dataclass, field
 
@@ -52,44 +58,45 @@ class SchedulerOutput:
 
 
 class WaitingQueue:
-    """Requests ordered by (priority, arrival); FCFS when priorities are equal."""
+    """Requests ordered by (priority, arrival); FCFS when priorities are equal. A sorted
+    list: arrivals append at the tail, admission iterates from the head."""
 
     def __init__(self, use_priority: bool) -> None:
         self._use_priority = use_priority
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._entries: list[tuple[int, float, int, Request]] = []
         self._order = itertools.count()
 
-    def _key(self, request: Request) -> tuple[int, float, int, Request]:
-        priority = request.priority if self._use_priority else 0
-        return (priority, request.arrival_time, next(self._order), request)
-
     def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, self._key(request))
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        priority = request.priority if self._use_priority else 0
+        entry = (priority, request.arrival_time, next(self._order), request)
+        bisect.insort(self._entries, entry, key=lambda e: e[:3])
 
     def remove(self, request: Request) -> None:
-        self._heap = [entry for entry in self._heap if entry[3] is not request]
-        heapq.heapify(self._heap)
+        self.remove_all({id(request)})
+
+    def remove_all(self, request_ids: set[int]) -> None:
+        """Drops the requests whose `id()` is in `request_ids`."""
+        self._entries = [e for e in self._entries if id(e[3]) not in request_ids]
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._entries)
 
     def __iter__(self):
-        return (entry[3] for entry in sorted(self._heap))
+        return iter([entry[3] for entry in self._entries])
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        max_loras: int = 0,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.waiting = WaitingQueue(config.policy == "priority")
         self.running: list[Request] = []
         self.fork_waiting: dict[str, list[Request]] = {}
@@ -159,10 +166,24 @@ class Scheduler:
             preempted=preempted,
         )
 
+    def running_adapters(self) -> set[bytes]:
+        """Identity keys of the adapters running requests use (each holds a slot)."""
+        return {r.adapter_key for r in self.running if r.adapter_key is not None}
+
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         chunked = self.config.enable_chunked_prefill
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
+        adapters = self.running_adapters()
+        slot_blocked = False
+        admitted: set[int] = set()
+        for request in self.waiting:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            key = request.adapter_key
+            if key is not None and slot_blocked:
+                continue
+            if key is not None and key not in adapters and len(adapters) >= self.max_loras:
+                slot_blocked = True
+                continue
             cached = self.kv_cache.find_cached_prefix(request)
             num_new = request.num_tokens - len(cached) * self.kv_cache.block_size
             if chunked:
@@ -171,7 +192,9 @@ class Scheduler:
                 break
             if not self.kv_cache.allocate(request, num_new, cached):
                 break
-            self.waiting.pop()
+            admitted.add(id(request))
+            if key is not None:
+                adapters.add(key)
             request.num_computed_tokens = len(cached) * self.kv_cache.block_size
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = request.num_computed_tokens
@@ -179,6 +202,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, []))
             budget -= num_new
+        self.waiting.remove_all(admitted)
         return budget
 
     def _preempt(self, request: Request) -> None:

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Triton kernels run under the interpreter on CPU; it must be on before any @triton.jit.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 TINY_VOCAB = 512
@@ -97,3 +100,48 @@ def tiny_model_factory(tmp_path_factory):
         return cache[key]
 
     return factory
+
+
+def make_peft_adapter(
+    base_folder: Path,
+    out_folder: Path,
+    *,
+    rank: int = 4,
+    alpha: float = 8.0,
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    seed: int = 0,
+    use_rslora: bool = False,
+    rank_pattern: dict[str, int] | None = None,
+    alpha_pattern: dict[str, float] | None = None,
+    std: float = 0.05,
+) -> Path:
+    """Saves a real PEFT LoRA adapter for the HF model in `base_folder` with seeded random
+    A and B (PEFT starts B at zero, which would make the adapter a no-op)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(target_modules),
+        lora_dropout=0.0,
+        use_rslora=use_rslora,
+        rank_pattern=rank_pattern or {},
+        alpha_pattern=alpha_pattern or {},
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    model.save_pretrained(out_folder)
+    return out_folder
+
+
+@pytest.fixture(scope="session")
+def peft_adapter_factory():
+    """`make_peft_adapter` as a fixture (test modules can't import a conftest by name)."""
+    return make_peft_adapter

@@ -1,7 +1,8 @@
 """Projection layers: one weight holding one or more stacked output slices.
 
 Fused projections (q/k/v, gate/up) are one matmul on CPU; `output_sizes` records
-each slice so a LoRA wrapper can later add per-slice deltas around `forward`.
+each slice. With LoRA enabled a projection also holds a `LoRAStack` (its slots'
+adapter weights) and adds each token's adapter delta after the base matmul.
 Parameters are allocated uninitialized: every value comes from the checkpoint.
 """
 
@@ -13,6 +14,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loraplex.kernels.lora import LoRABatch, add_lora
+from loraplex.platform.layers.lora import LoRAStack
 
 
 @functools.cache
@@ -62,6 +66,7 @@ class MergedLinear(nn.Module):
             if bias
             else None
         )
+        self.lora: LoRAStack | None = None
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -71,8 +76,27 @@ class MergedLinear(nn.Module):
             starts.append(starts[-1] + size)
         return tuple(starts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out]; adds each token's adapter delta when `lora` is given."""
+        out = linear(x, self.weight, self.bias)
+        if lora is not None and self.lora is not None:
+            stack = self.lora
+            add_lora(out, x, stack.a, stack.b, lora, stack.backend, stack.num_slices)
+        return out
+
+    def enable_lora(self, max_loras: int, max_rank: int, backend: str) -> LoRAStack:
+        """Allocates this projection's zeroed adapter slots."""
+        self.lora = LoRAStack.allocate(
+            max_loras,
+            max_rank,
+            self.in_features,
+            self.out_features,
+            len(self.output_sizes),
+            self.weight.dtype,
+            self.weight.device,
+            backend,
+        )
+        return self.lora
 
     @torch.no_grad()
     def load_slice(self, index: int, name: str, tensor: torch.Tensor) -> None:

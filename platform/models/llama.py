@@ -3,7 +3,8 @@
 One forward runs the step's flattened tokens (see attention_metadata.py):
     input_ids [T] -> embed [T, hidden] -> num_layers x (attention, MLP) -> norm -> [T, hidden]
 q/k/v and gate/up are fused projections (one matmul each); their slice sizes are
-kept on the layers so LoRA can add per-slice deltas later.
+kept on the layers, and each projection adds its tokens' LoRA deltas when the step
+has a `LoRABatch` (see kernels/lora.py and `enable_lora`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.layers.attention import PagedAttention
 from loraplex.platform.layers.linear import Linear, MergedLinear, linear
@@ -49,14 +51,15 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoRABatch | None,
     ) -> torch.Tensor:
         """hidden [T, hidden], cos/sin [T, 1, Dh/2] -> [T, hidden]."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = self.qkv_proj(hidden, lora).split(self.qkv_proj.output_sizes, dim=-1)
         q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -68,10 +71,10 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype, device)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)): [T, hidden] -> [T, hidden]."""
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(hidden, lora).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,13 +95,14 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoRABatch | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before it); their sum is the
         layer's output, added by the next norm."""
         normed, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(normed, cos, sin, kv_cache, meta)
+        hidden = self.self_attn(normed, cos, sin, kv_cache, meta, lora)
         normed, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(normed), residual
+        return self.mlp(normed, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,19 +143,34 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden]. `lora` says
+        which adapter slot each token uses (None: every token runs the base model)."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, lora)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> float32 logits [R, vocab]."""
         return linear(hidden, self.lm_head, None).float()
+
+    def lora_targets(self) -> dict[tuple[int, str], tuple[MergedLinear, int]]:
+        """(layer index, PEFT module name) -> (projection holding it, slice index)."""
+        targets: dict[tuple[int, str], tuple[MergedLinear, int]] = {}
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for index, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                targets[(i, name)] = (attn.qkv_proj, index)
+            targets[(i, "o_proj")] = (attn.o_proj, 0)
+            for index, name in enumerate(("gate_proj", "up_proj")):
+                targets[(i, name)] = (mlp.gate_up_proj, index)
+            targets[(i, "down_proj")] = (mlp.down_proj, 0)
+        return targets
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """HF checkpoint tensor name -> where it goes in this model."""

@@ -1,14 +1,19 @@
 """Block pool and block tables: prefix hits, adapter-keyed hashes, forks, copy-on-write."""
 
+from pathlib import Path
+
 import pytest
 
+from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.block_pool import BlockPool
 from loraplex.platform.kv_cache_manager import KVCacheManager, hash_block
 from loraplex.platform.request import Request, SamplingParams
 
 
 def make_request(request_id: str, tokens: list[int], adapter_key: bytes | None = None) -> Request:
-    return Request(request_id, list(tokens), SamplingParams(max_tokens=4), adapter_key=adapter_key)
+    """A request; with `adapter_key`, it runs an (empty) adapter of that identity."""
+    lora = None if adapter_key is None else LoRAAdapter("a", Path("."), adapter_key, {})
+    return Request(request_id, list(tokens), SamplingParams(max_tokens=4), lora=lora)
 
 
 def admit(manager: KVCacheManager, request: Request) -> int:

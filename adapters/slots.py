@@ -1,0 +1,115 @@
+"""Device tier of the adapter store: `max_loras` slots in the projections' LoRA stacks.
+
+Each step the runner asks for the step's adapters to be resident (`activate`). An
+adapter already in a slot keeps it; a missing one takes a free slot, else the least
+recently used slot that no adapter of this step needs. The scheduler admits at most
+`max_loras` distinct adapters among running requests, so a slot is always found.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.adapters.peft_format import LoRAAdapter
+from loraplex.platform.layers.linear import MergedLinear
+
+logger = logging.getLogger(__name__)
+
+LoRATargets = dict[tuple[int, str], tuple[MergedLinear, int]]
+"""(layer index, PEFT module name) -> (projection, slice index): the model's `lora_targets()`."""
+
+
+@dataclass
+class SlotStats:
+    loads: int = 0
+    evictions: int = 0
+    load_seconds: float = 0.0
+
+
+class LoRASlots:
+    def __init__(self, targets: LoRATargets, max_loras: int, max_rank: int, backend: str) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 to allocate slots, got {max_loras}")
+        self.targets = targets
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.projections: list[MergedLinear] = list(
+            {id(module): module for module, _ in targets.values()}.values()
+        )
+        for module in self.projections:
+            module.enable_lora(max_loras, max_rank, backend)
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()
+        """adapter key -> slot, least recently used first."""
+        self._adapters: list[LoRAAdapter | None] = [None] * max_loras
+        self.stats = SlotStats()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(module.lora.num_bytes for module in self.projections)
+
+    @property
+    def resident(self) -> list[LoRAAdapter]:
+        """Adapters currently in a slot."""
+        return [adapter for adapter in self._adapters if adapter is not None]
+
+    def slot_ranks(self) -> list[int]:
+        """Rank of the adapter in each slot (0 for an empty slot)."""
+        return [adapter.rank if adapter else 0 for adapter in self._adapters]
+
+    def activate(self, adapters: Iterable[LoRAAdapter]) -> dict[bytes, int]:
+        """Makes every adapter resident; returns adapter key -> slot."""
+        wanted = {adapter.key: adapter for adapter in adapters}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"{len(wanted)} adapters in one step, only {self.max_loras} slots")
+        for key in wanted:
+            if key in self._slot_of:
+                self._slot_of.move_to_end(key)
+        for key, adapter in wanted.items():
+            if key not in self._slot_of:
+                self._load(adapter, self._free_slot(wanted))
+        return {key: self._slot_of[key] for key in wanted}
+
+    def _free_slot(self, wanted: dict[bytes, LoRAAdapter]) -> int:
+        for slot, adapter in enumerate(self._adapters):
+            if adapter is None:
+                return slot
+        victim = next(key for key in self._slot_of if key not in wanted)
+        slot = self._slot_of.pop(victim)
+        logger.info("evicting adapter %s from slot %d", self._adapters[slot].name, slot)
+        self._adapters[slot] = None
+        self.stats.evictions += 1
+        return slot
+
+    @torch.no_grad()
+    def _load(self, adapter: LoRAAdapter, slot: int) -> None:
+        started = time.perf_counter()
+        for module in self.projections:
+            module.lora.a[slot].zero_()
+            module.lora.b[slot].zero_()
+        rank = adapter.rank
+        for (layer, name), weights in adapter.modules.items():
+            module, index = self.targets[(layer, name)]
+            stack = module.lora
+            start, size = module.offsets[index], module.output_sizes[index]
+            cols = slice(index * rank, index * rank + weights.rank)
+            stack.a[slot, cols].copy_(weights.a)
+            stack.b[slot, start : start + size, cols].copy_(weights.b)
+        self._adapters[slot] = adapter
+        self._slot_of[adapter.key] = slot
+        elapsed = time.perf_counter() - started
+        self.stats.loads += 1
+        self.stats.load_seconds += elapsed
+        logger.info(
+            "adapter %s (rank %d, %s) -> slot %d in %.1f ms",
+            adapter.name,
+            rank,
+            adapter.key_hex[:12],
+            slot,
+            elapsed * 1e3,
+        )

@@ -1,0 +1,197 @@
+"""Batched multi-LoRA compute for one projection: every token of a step may use a
+different adapter. The torch path (CPU) lives here; Triton kernels sit in
+`triton_lora.py` and are picked on CUDA (see `lora_backend`).
+
+Stacked weights of one projection (written by the adapter slot manager):
+
+    lora_a [L, R, in]    slot l's A; rows past the adapter's rank are zero
+    lora_b [L, out, R]   slot l's B, pre-multiplied by the adapter's scaling
+
+L = max_loras slots, R = rank columns. A fused projection with S slices (q/k/v,
+gate/up) stacks its slices' A rows (R = S * max_rank) and keeps B block-diagonal:
+output rows of slice s only have nonzero columns s * max_rank .. (s + 1) * max_rank.
+
+Token t uses slot token_slots[t]; -1 means the base model (no delta).
+
+Semantics:
+    shrink: y[t] = x[t] @ lora_a[s_t].T           x [T, in] -> y [T, R]; y[t] = 0 if s_t = -1
+    expand: out[t] += y[t] @ lora_b[s_t].T        y [T, R], out [T, out]; unchanged if s_t = -1
+    add_lora = expand(shrink(x)) into out, in place.
+
+The runner orders a step's tokens so equal slots are contiguous; `LoRABatch` then
+describes them twice: per token (`token_slots`, read by BGMV kernels for decodes) and
+as segments of one slot (read by SGMV kernels for prefill and by the torch path).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+BACKEND_ENV = "LORAPLEX_KERNEL_BACKEND"
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """Per-step adapter layout of the flattened batch, built once by the runner.
+
+    `segments` are maximal runs (start, end, slot) of tokens with one slot >= 0, in
+    token order, never crossing the boundary between decodes (tokens
+    [0, num_decode_tokens), one per sequence) and prefill chunks (the rest); base-model
+    tokens belong to none. The `seg_*` tensors describe the prefill segments only
+    (what SGMV kernels read); BGMV kernels read `token_slots[:num_decode_tokens]`.
+    """
+
+    token_slots: torch.Tensor
+    """[T] int64 slot per token, -1 = no adapter."""
+    segments: tuple[tuple[int, int, int], ...]
+    num_decode_tokens: int
+    seg_starts: torch.Tensor
+    """[S] int32 first token (absolute index) of each prefill segment."""
+    seg_lens: torch.Tensor
+    """[S] int32 tokens in each prefill segment."""
+    seg_slots: torch.Tensor
+    """[S] int32 slot of each prefill segment."""
+    max_seg_len: int
+    """Longest prefill segment (0 when there is none)."""
+    slot_ranks: tuple[int, ...] | None = None
+    """Rank of the adapter in each slot, when known: a projection with S slices then
+    only has nonzero columns [0, S * rank) in that slot, and the torch path skips the
+    rest. None: use every column."""
+
+    @classmethod
+    def from_token_slots(
+        cls,
+        slots: Sequence[int],
+        num_decode_tokens: int,
+        device: torch.device,
+        slot_ranks: Sequence[int] | None = None,
+    ) -> LoRABatch:
+        segments: list[tuple[int, int, int]] = []
+        start = 0
+        for t in range(1, len(slots) + 1):
+            if t == len(slots) or slots[t] != slots[start] or t == num_decode_tokens:
+                if slots[start] >= 0:
+                    segments.append((start, t, slots[start]))
+                start = t
+        prefill = [seg for seg in segments if seg[0] >= num_decode_tokens]
+        as_int32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+        return cls(
+            token_slots=torch.tensor(list(slots), dtype=torch.int64, device=device),
+            segments=tuple(segments),
+            num_decode_tokens=num_decode_tokens,
+            seg_starts=as_int32([s for s, _, _ in prefill]),
+            seg_lens=as_int32([e - s for s, e, _ in prefill]),
+            seg_slots=as_int32([slot for _, _, slot in prefill]),
+            max_seg_len=max((e - s for s, e, _ in prefill), default=0),
+            slot_ranks=tuple(slot_ranks) if slot_ranks is not None else None,
+        )
+
+    @property
+    def empty(self) -> bool:
+        return not self.segments
+
+
+def reference_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """Slow, obviously correct shrink in fp32 (tests' oracle). Returns y [T, R] fp32."""
+    y = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            y[t] = x[t].float() @ lora_a[slot].float().T
+    return y
+
+
+def reference_expand(
+    y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Slow, obviously correct expand in fp32: returns out + delta as fp32 (out untouched)."""
+    result = out.float().clone()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            result[t] += y[t].float() @ lora_b[slot].float().T
+    return result
+
+
+def torch_add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    batch: LoRABatch,
+    num_slices: int = 1,
+) -> None:
+    """CPU path: one shrink and one expand matmul per segment (SGMV in plain torch).
+    Decodes are segments too, since the runner sorts them by slot: on a CPU, gathering
+    each token's A and B (BGMV) costs more memory traffic than the base weights.
+    With `batch.slot_ranks`, only a slot's first num_slices * rank columns are read."""
+    ranks = batch.slot_ranks
+    width = lora_a.shape[1]
+    for start, end, slot in batch.segments:
+        used = min(width, num_slices * ranks[slot]) if ranks is not None else width
+        y = _matmul_t(x[start:end], lora_a[slot, :used])
+        out[start:end] += _matmul_t(y, lora_b[slot, :, :used])
+
+
+def _matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T, with the projections' fp32 widening on CPUs lacking half matmul."""
+    from loraplex.platform.layers.linear import linear
+
+    return linear(x, weight, None)
+
+
+def triton_add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    batch: LoRABatch,
+    num_slices: int = 1,
+) -> None:
+    """GPU path: BGMV kernels for the decode tokens, SGMV kernels for prefill chunks;
+    the shrink output is fp32. Reads every column (`num_slices` is not needed)."""
+    from loraplex.kernels import triton_lora
+
+    y = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    decodes = batch.num_decode_tokens
+    if decodes:
+        triton_lora.bgmv_shrink(x[:decodes], lora_a, batch.token_slots[:decodes], y[:decodes])
+        triton_lora.bgmv_expand(y[:decodes], lora_b, batch.token_slots[:decodes], out[:decodes])
+    if batch.max_seg_len:
+        segs = (batch.seg_starts, batch.seg_lens, batch.seg_slots, batch.max_seg_len)
+        triton_lora.sgmv_shrink(x, lora_a, *segs, y)
+        triton_lora.sgmv_expand(y, lora_b, *segs, out)
+
+
+_BACKENDS = {"torch": torch_add_lora, "triton": triton_add_lora}
+
+
+def lora_backend(device: torch.device) -> str:
+    """'triton' on CUDA, 'torch' elsewhere; LORAPLEX_KERNEL_BACKEND=torch|triton forces one."""
+    forced = os.environ.get(BACKEND_ENV)
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={forced!r}; use one of {sorted(_BACKENDS)}")
+        return forced
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    batch: LoRABatch,
+    backend: str = "torch",
+    num_slices: int = 1,
+) -> None:
+    """out += expand(shrink(x)) per token's slot, through the named backend (in place).
+    `num_slices` is the projection's number of fused slices (see `LoRABatch.slot_ranks`)."""
+    if batch.empty:
+        return
+    _BACKENDS[backend](out, x, lora_a, lora_b, batch, num_slices)

@@ -6,10 +6,12 @@ counts match block tables, free + used = total, budgets hold, and everything fin
 """
 
 import random
+from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.block_pool import BlockPool
 from loraplex.platform.config import SchedulerConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
@@ -20,7 +22,9 @@ BLOCK = 4
 MAX_LEN = 24
 
 
-def make_scheduler(num_blocks=8, max_num_seqs=4, budget=16, chunked=True, policy="fcfs"):
+def make_scheduler(
+    num_blocks=8, max_num_seqs=4, budget=16, chunked=True, policy="fcfs", max_loras=0
+):
     kv = KVCacheManager(BlockPool(num_blocks), BLOCK, enable_prefix_caching=True)
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -28,10 +32,15 @@ def make_scheduler(num_blocks=8, max_num_seqs=4, budget=16, chunked=True, policy
         enable_chunked_prefill=chunked,
         policy=policy,
     )
-    return Scheduler(config, kv, MAX_LEN)
+    return Scheduler(config, kv, MAX_LEN, max_loras)
 
 
-def make_group(request_id, prompt, max_tokens=4, n=1, priority=0, arrival=0.0):
+def adapter(name: str) -> LoRAAdapter:
+    """An empty adapter whose identity is its name (the scheduler only reads the key)."""
+    return LoRAAdapter(name, Path(name), name.encode(), {})
+
+
+def make_group(request_id, prompt, max_tokens=4, n=1, priority=0, arrival=0.0, lora=None):
     params = SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0)
     return [
         Request(
@@ -42,6 +51,7 @@ def make_group(request_id, prompt, max_tokens=4, n=1, priority=0, arrival=0.0):
             index=i,
             priority=priority,
             arrival_time=arrival,
+            lora=lora,
         )
         for i in range(n)
     ]
@@ -100,6 +110,58 @@ def test_without_chunking_a_prompt_waits_for_a_step_with_room():
     scheduler.add(make_group("b", range(8), max_tokens=3))
     output, _ = step(scheduler)
     assert [s.request.request_id for s in output.scheduled] == ["a"]
+    run_to_completion(scheduler)
+
+
+def test_at_most_max_loras_distinct_adapters_run_at_once():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=8, budget=64, max_loras=2)
+    for i, name in enumerate(["A", "B", "C", "A"]):
+        scheduler.add(make_group(f"r{i}", [i] * 3, max_tokens=3, lora=adapter(name)))
+    scheduler.add(make_group("base", [9] * 3, max_tokens=3))
+    output, _ = step(scheduler)
+    # C finds both slots taken: it waits, and the A request behind it waits too (so
+    # slots can drain); the base request passes.
+    assert {s.request.request_id for s in output.scheduled} == {"r0", "r1", "base"}
+    c_ran = False
+    while scheduler.num_unfinished:
+        output, _ = step(scheduler)
+        assert len(scheduler.running_adapters()) <= 2
+        names = {s.request.lora.name for s in output.scheduled if s.request.lora}
+        assert len(names) <= 2
+        c_ran = c_ran or "C" in names
+    assert c_ran
+    assert scheduler.kv_cache.pool.num_free == 64
+
+
+def test_request_waiting_for_an_adapter_slot_is_not_starved():
+    """One slot, a steady stream of adapter-A requests: a request for adapter B gets the
+    slot once the A requests running when it arrived finish; later A requests queue
+    behind it, and base-model requests still pass it."""
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=16, budget=256, max_loras=1)
+    max_tokens = 4
+    b_arrival_step, b_admitted_step = 3, None
+    base_admitted_while_b_waits = False
+    for step_index in range(40):
+        arrival = float(step_index)
+        scheduler.add(
+            make_group(f"a{step_index}", [1, 2, 3], max_tokens, arrival=arrival, lora=adapter("A"))
+        )
+        if step_index == b_arrival_step:
+            scheduler.add(
+                make_group("b", [4, 5, 6], max_tokens, arrival=arrival, lora=adapter("B"))
+            )
+        if step_index == b_arrival_step + 1:
+            scheduler.add(make_group("base", [7, 8], max_tokens, arrival=arrival))
+        output, _ = step(scheduler)
+        ids = {s.request.request_id for s in output.scheduled}
+        if "base" in ids and b_admitted_step is None:
+            base_admitted_while_b_waits = True
+        if "b" in ids and b_admitted_step is None:
+            b_admitted_step = step_index
+    assert b_admitted_step is not None, "the adapter-B request starved"
+    # A requests admitted before B's arrival finish within max_tokens steps.
+    assert b_admitted_step - b_arrival_step <= max_tokens + 1
+    assert base_admitted_while_b_waits
     run_to_completion(scheduler)
 
 

@@ -1,0 +1,154 @@
+"""Disk registry and host LRU of the adapter store; loading off the engine loop."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from loraplex.adapters.peft_format import AdapterError, load_peft_adapter
+from loraplex.adapters.store import AdapterStore
+from loraplex.platform import LLM, AsyncEngine, SamplingParams
+from loraplex.platform.models.arch import ModelArch
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def folders(base, tmp_path_factory, peft_adapter_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("store-root")
+    return {
+        name: peft_adapter_factory(base, root / name, seed=seed)
+        for seed, name in enumerate(["alpha", "beta", "gamma"])
+    }
+
+
+def make_store(base: Path, **options) -> AdapterStore:
+    return AdapterStore(ModelArch.from_folder(base), max_rank=16, **{"max_cpu_loras": 2, **options})
+
+
+def test_adapter_root_registers_its_subfolders_by_name(base, folders):
+    store = make_store(base, root=folders["alpha"].parent)
+    assert store.names() == ["alpha", "beta", "gamma"]
+    assert store.load("beta").name == "beta"
+
+
+def test_register_unregister_and_bad_names(base, folders, tmp_path):
+    store = make_store(base)
+    store.register("mine", folders["alpha"])
+    assert store.names() == ["mine"]
+    assert store.load("mine").key == load_peft_adapter(folders["alpha"], store.arch, 16).key
+    store.unregister("mine")
+    assert store.names() == []
+    with pytest.raises(AdapterError, match="not registered"):
+        store.unregister("mine")
+    with pytest.raises(AdapterError, match="adapter name"):
+        store.register("../escape", folders["alpha"])
+    with pytest.raises(AdapterError, match="does not exist"):
+        store.register("ghost", tmp_path / "nowhere")
+    with pytest.raises(AdapterError, match="unknown adapter 'ghost'"):
+        store.load("ghost")
+
+
+def test_host_cache_is_lru_with_counts(base, folders):
+    store = make_store(base, max_cpu_loras=2)
+    for name, folder in folders.items():
+        store.register(name, folder)
+    first = store.load("alpha")
+    store.load("beta")
+    assert store.load("alpha") is first
+    store.load("gamma")  # evicts beta, the least recently used
+    assert (store.stats.loads, store.stats.hits, store.stats.evictions) == (3, 1, 1)
+    assert store.num_cached == 2
+    assert store.load("alpha") is first
+    store.load("beta")
+    assert store.stats.loads == 4
+    assert len(store.stats.load_seconds) == 4
+
+
+def test_files_rewritten_in_place_are_reloaded_with_a_new_identity(
+    base, folders, tmp_path, peft_adapter_factory
+):
+    store = make_store(base)
+    folder = tmp_path / "live"
+    shutil.copytree(folders["alpha"], folder)
+    store.register("live", folder)
+    old = store.load("live")
+    shutil.rmtree(folder)
+    peft_adapter_factory(base, folder, seed=42)
+    new = store.load("live")
+    assert new is not old and new.key != old.key
+
+
+def test_concurrent_loads_of_one_folder_read_it_once(base, folders):
+    gate = threading.Event()
+    calls = []
+
+    def gated_loader(folder, arch, max_rank, name):
+        calls.append(folder)
+        gate.wait(10)
+        return load_peft_adapter(folder, arch, max_rank, name)
+
+    store = make_store(base, loader=gated_loader)
+    store.register("alpha", folders["alpha"])
+    futures = [store.load_async("alpha") for _ in range(3)]
+    gate.set()
+    assert len({id(f.result()) for f in futures}) == 1
+    assert len(calls) == 1
+
+
+def test_a_failing_load_is_reported_and_not_cached(base, folders, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(folders["alpha"], broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    store = make_store(base)
+    store.register("broken", broken)
+    with pytest.raises(AdapterError, match="corrupt"):
+        store.load("broken")
+    assert store.stats.failures == 1 and store.num_cached == 0
+
+
+def test_async_engine_serves_others_while_an_adapter_loads(base, folders):
+    """A request whose adapter is still loading waits outside the engine; a base-model
+    request submitted after it finishes first."""
+    llm = LLM(str(base), dtype="float32", max_model_len=64)
+    gate = threading.Event()
+    real_loader = llm.engine.adapters.loader
+
+    def slow_loader(folder, arch, max_rank, name):
+        gate.wait(20)
+        return real_loader(folder, arch, max_rank, name)
+
+    llm.engine.adapters.loader = slow_loader
+    llm.register_adapter("alpha", str(folders["alpha"]))
+    engine = AsyncEngine(llm.engine)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    finished: list[str] = []
+
+    async def run(name: str, adapter: str | None) -> list[int]:
+        outputs = [o async for o in engine.generate([1, 2, 3], params, adapter=adapter)]
+        finished.append(name)
+        return outputs[-1].token_ids
+
+    async def scenario():
+        lora_task = asyncio.create_task(run("lora", "alpha"))
+        await asyncio.sleep(0.05)
+        base_tokens = await asyncio.wait_for(run("base", None), timeout=30)
+        assert finished == ["base"] and not lora_task.done()
+        gate.set()
+        lora_tokens = await asyncio.wait_for(lora_task, timeout=30)
+        assert lora_tokens != base_tokens
+        with pytest.raises(AdapterError, match="unknown adapter"):
+            await run("missing", "no-such-adapter")
+
+    try:
+        asyncio.run(scenario())
+        assert finished == ["base", "lora"]
+    finally:
+        engine.shutdown()

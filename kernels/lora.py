@@ -157,7 +157,8 @@ def triton_add_lora(
     the shrink output is fp32. Reads every column (`num_slices` is not needed)."""
     from loraplex.kernels import triton_lora
 
-    y = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    # Rows outside every segment and slot -1 rows are never read back: no memset.
+    y = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     decodes = batch.num_decode_tokens
     if decodes:
         triton_lora.bgmv_shrink(x[:decodes], lora_a, batch.token_slots[:decodes], y[:decodes])

@@ -186,3 +186,21 @@ def test_same_name_new_weights_gives_new_outputs_and_no_stale_kv(
     assert new.num_cached_tokens == 0, "KV computed with the old weights was reused"
     assert new.token_ids == peft_greedy(base, folder, [prompt], MAX_NEW)[0]
     assert new.token_ids != first.token_ids
+
+
+def test_triton_lora_path_matches_torch_path(lora_setup, monkeypatch):
+    """The engine's greedy outputs are the same through the Triton LoRA kernels (run by
+    the interpreter on CPU) as through the torch path."""
+    base, folders = lora_setup
+    requests = mixed_requests(512, list(folders), seed=5)[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LORAPLEX_KERNEL_BACKEND", backend)
+        llm = LLM(str(base), dtype="float32", max_model_len=128)
+        assert llm.engine.runner.lora_slots.projections[0].lora.backend == backend
+        for name, folder in folders.items():
+            llm.register_adapter(name, str(folder))
+        results = llm.generate([p for p, _ in requests], params, [a for _, a in requests])
+        outputs[backend] = [o.token_ids for o in results]
+    assert outputs["triton"] == outputs["torch"]

@@ -1,0 +1,500 @@
+"""Triton kernels for batched multi-LoRA (punica-style BGMV / SGMV shrink and expand).
+
+Contract, shapes and the slow reference are in `lora.py`; `triton_add_lora` there calls
+the four launch functions below. Names: T tokens, D decode tokens, S prefill segments,
+K = in features, N = out features, R = rank columns, L = adapter slots.
+
+BGMV ("batched gather matrix-vector", decode tokens, one token per program row):
+
+    _bgmv_shrink_kernel   grid (D, SPLIT_K)
+        Program (t, s) reads token t's slot, then sums x[t, k] * A[slot, r, k] over the
+        K blocks s, s + SPLIT_K, s + 2 * SPLIT_K, ... for all R columns at once
+        (BLOCK_R = next power of two >= R). SPLIT_K = 1 stores y[t]; SPLIT_K > 1 (few
+        tokens on a big GPU) zeroes y first and adds the partial sums with atomics.
+    _bgmv_expand_kernel   grid (D, cdiv(N, BLOCK_N))
+        Program (t, n) computes out[t, n-block] += B[slot, n-block, :] @ y[t], looping
+        over R in BLOCK_R chunks.
+
+    Few tokens give no tile dimension >= 16, so BGMV multiplies elementwise and reduces
+    with tl.sum instead of tl.dot (which needs every dimension >= 16).
+
+SGMV ("segmented gather matrix-vector", prefill chunks: runs of tokens sharing a slot):
+
+    _sgmv_shrink_kernel   grid (S, cdiv(max_seg_len, BLOCK_M), cdiv(R, BLOCK_R))
+        Program (g, m, r) takes BLOCK_M tokens of segment g (returns at once past the
+        segment's end) and computes y[rows, r-block] = x[rows] @ A[slot, r-block].T with
+        tl.dot over BLOCK_K chunks of K.
+    _sgmv_expand_kernel   grid (S, cdiv(max_seg_len, BLOCK_M), cdiv(N, BLOCK_N))
+        Program (g, m, n) computes out[rows, n-block] += y[rows] @ B[slot, n-block].T,
+        looping over R in BLOCK_R chunks.
+
+Every kernel accumulates in fp32. Expand is a read-modify-write of `out`: each output
+element belongs to exactly one program (segments and blocks are disjoint), so no atomics.
+Slot -1 (base model): shrink writes zeros, expand leaves the row alone. Tokens outside
+every segment are never touched by SGMV kernels. All tensors are addressed through their
+strides, so row slices such as `x[:D]` need no copy.
+
+tl.dot precision: the shrink multiplies x and A in their own dtype (bf16 / fp16 tensor
+cores, fp32 accumulator); expand multiplies the fp32 y by B widened to fp32, as TF32 for
+half-precision models (B is exact in TF32; y keeps 10 mantissa bits, more than bf16) and
+as IEEE fp32 for fp32 models. Under the Triton interpreter (CPU tensors) dot operands are
+widened to fp32 first, because the interpreter multiplies bf16 bit patterns as integers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_TILE = 4096
+"""Elements of one BGMV weight tile: 32 fp32 registers per thread at 4 warps."""
+
+
+@triton.jit
+def _bgmv_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    slots_ptr,
+    y_ptr,
+    K,
+    R,
+    stride_xt,
+    stride_xk,
+    stride_al,
+    stride_ar,
+    stride_ak,
+    stride_yt,
+    stride_yr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    token = tl.program_id(0)
+    split = tl.program_id(1)
+    slot = tl.load(slots_ptr + token)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    r_mask = offs_r < R
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    if slot >= 0:
+        x_row = x_ptr + token.to(tl.int64) * stride_xt
+        a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar
+        for k0 in range(split * BLOCK_K, K, SPLIT_K * BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            xv = tl.load(x_row + k * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
+            av = tl.load(
+                a_rows + k[None, :] * stride_ak,
+                mask=r_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += av * xv[None, :]
+    y = tl.sum(acc, axis=1)
+    y_ptrs = y_ptr + token.to(tl.int64) * stride_yt + offs_r * stride_yr
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, y, mask=r_mask)
+    else:
+        tl.atomic_add(y_ptrs, y, mask=r_mask)
+
+
+@triton.jit
+def _bgmv_expand_kernel(
+    y_ptr,
+    b_ptr,
+    slots_ptr,
+    out_ptr,
+    N,
+    R,
+    stride_yt,
+    stride_yr,
+    stride_bl,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    token = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(slots_ptr + token)
+    if slot < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    y_row = y_ptr + token.to(tl.int64) * stride_yt
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn
+    acc = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + offs_r
+        r_mask = r < R
+        yv = tl.load(y_row + r * stride_yr, mask=r_mask, other=0.0).to(tl.float32)
+        bv = tl.load(
+            b_rows + r[None, :] * stride_br, mask=n_mask[:, None] & r_mask[None, :], other=0.0
+        ).to(tl.float32)
+        acc += bv * yv[None, :]
+    delta = tl.sum(acc, axis=1)
+    out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + offs_n * stride_on
+    old = tl.load(out_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    seg_starts_ptr,
+    seg_lens_ptr,
+    seg_slots_ptr,
+    K,
+    R,
+    stride_xt,
+    stride_xk,
+    stride_al,
+    stride_ar,
+    stride_ak,
+    stride_yt,
+    stride_yr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WIDEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    seg_len = tl.load(seg_lens_ptr + seg)
+    if pid_m * BLOCK_M >= seg_len:
+        return
+    seg_start = tl.load(seg_starts_ptr + seg)
+    slot = tl.load(seg_slots_ptr + seg)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = (seg_start + offs_m).to(tl.int64)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    if slot >= 0:
+        x_rows = x_ptr + rows[:, None] * stride_xt
+        # A[slot] read transposed: a [BLOCK_K, BLOCK_R] tile of A[slot].T.
+        a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_r[None, :] * stride_ar
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            xt = tl.load(
+                x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            at = tl.load(
+                a_cols + k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0
+            )
+            if WIDEN:
+                xt = xt.to(tl.float32)
+                at = at.to(tl.float32)
+            acc = tl.dot(xt, at, acc, input_precision=PRECISION)
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
+    tl.store(y_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    seg_starts_ptr,
+    seg_lens_ptr,
+    seg_slots_ptr,
+    N,
+    R,
+    stride_yt,
+    stride_yr,
+    stride_bl,
+    stride_bn,
+    stride_br,
+    stride_ot,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    seg_len = tl.load(seg_lens_ptr + seg)
+    slot = tl.load(seg_slots_ptr + seg)
+    if (pid_m * BLOCK_M >= seg_len) | (slot < 0):
+        return
+    seg_start = tl.load(seg_starts_ptr + seg)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = (seg_start + offs_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    y_rows = y_ptr + rows[:, None] * stride_yt
+    # B[slot] read transposed: a [BLOCK_R, BLOCK_N] tile of B[slot].T.
+    b_cols = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + offs_r
+        r_mask = r < R
+        yt = tl.load(
+            y_rows + r[None, :] * stride_yr, mask=m_mask[:, None] & r_mask[None, :], other=0.0
+        )
+        bt = tl.load(
+            b_cols + r[:, None] * stride_br, mask=r_mask[:, None] & n_mask[None, :], other=0.0
+        )
+        acc = tl.dot(yt.to(tl.float32), bt.to(tl.float32), acc, input_precision=PRECISION)
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    old = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (old + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _parallelism(device: torch.device) -> int:
+    """Programs worth launching to fill the device: two per SM on CUDA, 1 elsewhere (the
+    interpreter runs programs one after another, so fewer, larger ones are faster)."""
+    if device.type != "cuda":
+        return 1
+    return 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _bgmv_shrink_split_k(device: torch.device, num_tokens: int, k_blocks: int) -> int:
+    """Splits K across programs when the decode batch alone cannot fill the device."""
+    return max(1, min(k_blocks, triton.cdiv(_parallelism(device), num_tokens), 16))
+
+
+def _sgmv_block_m(
+    device: torch.device, num_segments: int, max_seg_len: int, other_blocks: int
+) -> int:
+    """Largest BLOCK_M in (64, 32, 16) whose grid still fills the device; 16 off CUDA,
+    where the interpreter's cost is per element, not per program."""
+    if device.type != "cuda":
+        return 16
+    for block_m in (64, 32):
+        if num_segments * triton.cdiv(max_seg_len, block_m) * other_blocks >= _parallelism(device):
+            return block_m
+    return 16
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """IEEE for fp32 models (tight accuracy); TF32 is only used with exact-in-TF32 B."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_common(activations: torch.Tensor, weights: torch.Tensor, y: torch.Tensor) -> None:
+    if weights.dim() != 3:
+        raise ValueError(f"stacked LoRA weights must be [L, ., .], got {tuple(weights.shape)}")
+    if weights.dtype != activations.dtype:
+        raise ValueError(f"LoRA weights are {weights.dtype}, activations {activations.dtype}")
+    if y.dtype != torch.float32:
+        raise ValueError(f"y must be float32, got {y.dtype}")
+
+
+def bgmv_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    token_slots: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    split_k: int | None = None,
+) -> None:
+    """Semantics: y[t] = x[t] @ lora_a[s_t].T, y[t] = 0 where s_t = -1 (y written, not
+    accumulated).
+
+    x [D, K] (fp32 / bf16 / fp16), lora_a [L, R, K] (x's dtype), token_slots [D] int64,
+    y [D, R] fp32. `split_k` overrides the K split (default: chosen to fill the GPU;
+    > 1 sums partial products with fp32 atomics, so the low bits are order-dependent).
+    """
+    _check_common(x, lora_a, y)
+    num_tokens, k_dim = x.shape
+    rank = lora_a.shape[1]
+    if num_tokens == 0 or rank == 0:
+        return
+    if k_dim == 0:
+        y.zero_()
+        return
+    block_r = triton.next_power_of_2(rank)
+    block_k = max(16, min(512, _MAX_TILE // block_r, triton.next_power_of_2(k_dim)))
+    if split_k is None:
+        split_k = _bgmv_shrink_split_k(x.device, num_tokens, triton.cdiv(k_dim, block_k))
+    if split_k > 1:
+        y.zero_()
+    _bgmv_shrink_kernel[(num_tokens, split_k)](
+        x,
+        lora_a,
+        token_slots,
+        y,
+        k_dim,
+        rank,
+        x.stride(0),
+        x.stride(1),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        lora_a.stride(2),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        num_warps=4,
+    )
+
+
+def bgmv_expand(
+    y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Semantics: out[t] += y[t] @ lora_b[s_t].T, out[t] unchanged where s_t = -1.
+
+    y [D, R] fp32, lora_b [L, N, R] (out's dtype), token_slots [D] int64, out [D, N]
+    (fp32 / bf16 / fp16), updated in place with an fp32 sum rounded once.
+    """
+    _check_common(out, lora_b, y)
+    num_tokens, n_dim = out.shape
+    rank = lora_b.shape[2]
+    if num_tokens == 0 or rank == 0 or n_dim == 0:
+        return
+    block_r = min(64, triton.next_power_of_2(rank))
+    block_n = max(16, min(256, _MAX_TILE // block_r, triton.next_power_of_2(n_dim)))
+    _bgmv_expand_kernel[(num_tokens, triton.cdiv(n_dim, block_n))](
+        y,
+        lora_b,
+        token_slots,
+        out,
+        n_dim,
+        rank,
+        y.stride(0),
+        y.stride(1),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        lora_b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        num_warps=4,
+    )
+
+
+def sgmv_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    max_seg_len: int,
+    y: torch.Tensor,
+    *,
+    block_m: int | None = None,
+) -> None:
+    """Semantics: y[t] = x[t] @ lora_a[g_slot].T for every token t of every segment g
+    (tokens seg_starts[g] .. seg_starts[g] + seg_lens[g] - 1); other rows of y untouched.
+
+    x [T, K] (fp32 / bf16 / fp16), lora_a [L, R, K] (x's dtype), seg_starts / seg_lens /
+    seg_slots [S] int32 (absolute token starts), max_seg_len = max(seg_lens), y [T, R] fp32.
+    `block_m` (16, 32 or 64 tokens per program) overrides the default chosen from the grid.
+    """
+    _check_common(x, lora_a, y)
+    num_segments = seg_starts.numel()
+    k_dim = x.shape[1]
+    rank = lora_a.shape[1]
+    if num_segments == 0 or max_seg_len == 0 or rank == 0:
+        return
+    block_r = max(16, min(128, triton.next_power_of_2(rank)))
+    block_k = max(16, min(64, triton.next_power_of_2(k_dim)))
+    r_blocks = triton.cdiv(rank, block_r)
+    if block_m is None:
+        block_m = _sgmv_block_m(x.device, num_segments, max_seg_len, r_blocks)
+    grid = (num_segments, triton.cdiv(max_seg_len, block_m), r_blocks)
+    _sgmv_shrink_kernel[grid](
+        x,
+        lora_a,
+        y,
+        seg_starts,
+        seg_lens,
+        seg_slots,
+        k_dim,
+        rank,
+        x.stride(0),
+        x.stride(1),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        lora_a.stride(2),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        WIDEN=x.device.type != "cuda",
+        PRECISION=_dot_precision(x.dtype),
+        num_warps=4,
+    )
+
+
+def sgmv_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    seg_slots: torch.Tensor,
+    max_seg_len: int,
+    out: torch.Tensor,
+    *,
+    block_m: int | None = None,
+) -> None:
+    """Semantics: out[t] += y[t] @ lora_b[g_slot].T for every token t of every segment g
+    (tokens seg_starts[g] .. seg_starts[g] + seg_lens[g] - 1); other rows of out untouched.
+
+    y [T, R] fp32, lora_b [L, N, R] (out's dtype), seg_starts / seg_lens / seg_slots [S]
+    int32 (absolute token starts), max_seg_len = max(seg_lens), out [T, N] (fp32 / bf16 /
+    fp16), updated in place with an fp32 sum rounded once. `block_m` as in `sgmv_shrink`.
+    """
+    _check_common(out, lora_b, y)
+    num_segments = seg_starts.numel()
+    n_dim = out.shape[1]
+    rank = lora_b.shape[2]
+    if num_segments == 0 or max_seg_len == 0 or rank == 0 or n_dim == 0:
+        return
+    block_r = max(16, min(64, triton.next_power_of_2(rank)))
+    block_n = max(16, min(64, triton.next_power_of_2(n_dim)))
+    n_blocks = triton.cdiv(n_dim, block_n)
+    if block_m is None:
+        block_m = _sgmv_block_m(out.device, num_segments, max_seg_len, n_blocks)
+    grid = (num_segments, triton.cdiv(max_seg_len, block_m), n_blocks)
+    _sgmv_expand_kernel[grid](
+        y,
+        lora_b,
+        out,
+        seg_starts,
+        seg_lens,
+        seg_slots,
+        n_dim,
+        rank,
+        y.stride(0),
+        y.stride(1),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        lora_b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        PRECISION=_dot_precision(out.dtype),
+        num_warps=4,
+    )

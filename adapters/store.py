@@ -114,8 +114,9 @@ class AdapterStore:
         with self._lock:
             return sorted(self._registry)
 
-    def resolve(self, spec: str | Path) -> tuple[str, Path]:
-        """A registered name, or else an adapter folder path -> (name, resolved folder)."""
+    def resolve(self, spec: str | Path, name: str | None = None) -> tuple[str, Path]:
+        """A registered name, or else an adapter folder path -> (name, resolved folder).
+        `name` labels a folder in logs and metrics (default: the folder's name)."""
         with self._lock:
             folder = self._registry.get(str(spec))
         if folder is not None:
@@ -123,19 +124,19 @@ class AdapterStore:
         path = Path(spec).expanduser()
         if path.is_dir():
             path = path.resolve()
-            return path.name, path
+            return name or path.name, path
         raise AdapterError(
             f"unknown adapter {str(spec)!r}: not a registered name and not a directory"
         )
 
     # ---- host cache ------------------------------------------------------------------
-    def load(self, spec: str | Path) -> LoRAAdapter:
+    def load(self, spec: str | Path, name: str | None = None) -> LoRAAdapter:
         """The validated adapter for a name or folder, from the cache or from disk."""
-        return self.load_async(spec).result()
+        return self.load_async(spec, name).result()
 
-    def load_async(self, spec: str | Path) -> Future[LoRAAdapter]:
+    def load_async(self, spec: str | Path, name: str | None = None) -> Future[LoRAAdapter]:
         """Like `load`, on the store's thread pool; one disk read per folder at a time."""
-        name, folder = self.resolve(spec)
+        name, folder = self.resolve(spec, name)
         signature = _signature(folder)
         with self._lock:
             cached = self._cache.get(folder)
@@ -181,6 +182,15 @@ class AdapterStore:
             adapter.key_hex[:12],
         )
         return adapter
+
+    def evict(self, folder: str | Path) -> bool:
+        """Drops a folder's host copy (requests already holding it keep theirs)."""
+        with self._lock:
+            evicted = self._cache.pop(Path(folder).resolve(), None) is not None
+        if evicted:
+            self.stats.evictions += 1
+            logger.info("adapter at %s evicted from host memory", folder)
+        return evicted
 
     @property
     def num_cached(self) -> int:

@@ -17,7 +17,7 @@ def model_deployment_name(name: str) -> str:
     return f"model-{name}"
 
 
-def bind_model_server(config: ModelDeploymentConfig) -> Application:
+def bind_model_server(config: ModelDeploymentConfig, adapter_root: str) -> Application:
     server = config.server
     scaling: dict[str, Any] = (
         {"autoscaling_config": server.autoscaling_config}
@@ -34,13 +34,13 @@ def bind_model_server(config: ModelDeploymentConfig) -> Application:
         graceful_shutdown_timeout_s=server.graceful_shutdown_timeout_s,
         **scaling,
     )
-    return deployment.bind(config)
+    return deployment.bind(config, adapter_root)
 
 
 def build_app(args: dict[str, Any]) -> Application:
     config = PlatformConfig.model_validate(args)
-    servers = [bind_model_server(model) for model in config.models]
+    servers = [bind_model_server(model, config.adapter_root) for model in config.models]
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
         max_ongoing_requests=config.ingress.max_ongoing_requests,
-    ).bind([model.name for model in config.models], servers)
+    ).bind(config, servers)

@@ -1,16 +1,22 @@
 """The platform's configuration (the `args` of serve_config.yaml), parsed once.
 
 Engine options are the keywords of `EngineConfig.create`; they are validated here, at
-deploy time, so a typo fails `serve run` instead of a replica.
+deploy time, so a typo fails `serve run` instead of a replica. Relative paths are made
+absolute here too (`build_app` runs where `serve run` was started; replicas may not).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from loraplex.deployments.catalog import ADAPTER_NAME
+from loraplex.deployments.tenants import TenantConfig
 from loraplex.platform.config import EngineConfig
+from loraplex.platform.model_files import cache_root
 
 
 class StrictConfig(BaseModel):
@@ -27,8 +33,17 @@ class ServerOptions(StrictConfig):
         None, description="Ray Serve autoscaling_config; replaces num_replicas when set"
     )
     max_ongoing_requests: int = Field(64, ge=1, description="requests a replica runs at once")
-    max_queued_requests: int = Field(256, ge=-1, description="queue past which callers get 503")
+    max_queued_requests: int = Field(
+        256, ge=-1, description="queue past which callers get 503 (-1: unbounded)"
+    )
     health_check_period_s: float = Field(10.0, gt=0)
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_bound(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("max_queued_requests must be -1 (unbounded) or at least 1")
+        return value
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
 
 
@@ -41,7 +56,31 @@ class ModelDeploymentConfig(StrictConfig):
         default_factory=dict, description="keywords of EngineConfig.create"
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="wait for in-flight requests on stop")
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="shared LoRA adapters of this base: name -> PEFT adapter folder",
+    )
     server: ServerOptions = Field(default_factory=ServerOptions)
+
+    @field_validator("adapters")
+    @classmethod
+    def _absolute_adapter_folders(cls, adapters: dict[str, str]) -> dict[str, str]:
+        resolved = {}
+        for name, folder in adapters.items():
+            if not ADAPTER_NAME.match(name):
+                raise ValueError(f"adapter name {name!r}: use letters, digits, '.', '_', '-'")
+            path = Path(folder).expanduser().resolve()
+            if not (path / "adapter_config.json").is_file():
+                raise ValueError(f"adapter {name!r}: {path} has no adapter_config.json")
+            resolved[name] = str(path)
+        return resolved
+
+    @field_validator("model")
+    @classmethod
+    def _absolute_model_folder(cls, model: str | None) -> str | None:
+        if model is not None and Path(model).expanduser().is_dir():
+            return str(Path(model).expanduser().resolve())
+        return model
 
     @model_validator(mode="after")
     def _engine_options_are_valid(self) -> ModelDeploymentConfig:
@@ -63,13 +102,37 @@ class IngressOptions(StrictConfig):
     max_ongoing_requests: int = Field(256, ge=1)
 
 
+def default_adapter_root() -> str:
+    return str(cache_root() / "tenant-adapters")
+
+
 class PlatformConfig(StrictConfig):
     models: list[ModelDeploymentConfig] = Field(min_length=1)
     ingress: IngressOptions = Field(default_factory=IngressOptions)
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="API keys and ACLs; none: authentication is off"
+    )
+    adapter_root: str = Field(
+        default_factory=default_adapter_root,
+        description="tenant adapters are registered from <adapter_root>/<tenant>/...",
+    )
+
+    @field_validator("adapter_root")
+    @classmethod
+    def _absolute_root(cls, root: str) -> str:
+        return str(Path(os.path.expandvars(root)).expanduser().resolve())
 
     @model_validator(mode="after")
     def _unique_names(self) -> PlatformConfig:
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise ValueError(f"model names must be unique, got {names}")
+        tenants = [t.name for t in self.tenants]
+        if len(tenants) != len(set(tenants)):
+            raise ValueError(f"tenant names must be unique, got {tenants}")
+        for tenant in self.tenants:
+            tenant.key_digests()
         return self
+
+    def shared_adapters(self) -> dict[str, dict[str, str]]:
+        return {model.name: dict(model.adapters) for model in self.models}

@@ -1,39 +1,61 @@
-"""OpenAI-compatible HTTP surface: validates requests, routes them to the base model's
-deployment by name, and streams Server-Sent Events back.
+"""OpenAI-compatible HTTP surface: authenticates the tenant, resolves `model` to a base
+model and adapter (routing.py), enforces the tenant's limits, calls the base model's
+deployment with the adapter as Serve's multiplexed model id, and streams SSE back.
 
-Every failure leaves as OpenAI's error JSON with a 4xx/5xx status; request bodies are
-parsed here (not by FastAPI) so malformed JSON, non-UTF-8 bytes, wrong types and
-unknown fields all get a 400 with a message, never a 500.
+Every failure leaves as OpenAI's error JSON with its status (errors.py): request bodies
+are parsed here, not by FastAPI, so malformed JSON, non-UTF-8 bytes, wrong types and
+unknown fields all get a 400 with a message, never a 500. A client that disconnects
+cancels its call, which aborts the engine request and frees its KV blocks.
+
+Admin API (a tenant manages its own adapters, nobody else's):
+    GET    /v1/adapters                         list
+    POST   /v1/adapters                         register {model, name, path}; path is
+                                                relative to <adapter_root>/<tenant>/
+    POST   /v1/adapters/{model}/{name}/unload   drop every replica's copy
+    DELETE /v1/adapters/{model}/{name}          unregister
 """
 
+import dataclasses
 import json
 import logging
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
+import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
+from loraplex.deployments.config import PlatformConfig
 from loraplex.deployments.errors import OpenAIError, error_response
+from loraplex.deployments.metrics import IngressMetrics, render_prometheus
 from loraplex.deployments.model_server import GenerateCall, GenerateError, StreamStep
 from loraplex.deployments.protocol import (
+    AdapterCard,
+    AdapterList,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
+    RegisterAdapterRequest,
     SamplingFields,
     new_id,
 )
 from loraplex.deployments.responses import ChoiceAccumulator, sse
+from loraplex.deployments.routing import Route, resolve_model, visible_adapters
+from loraplex.deployments.tenants import AuthError, RateLimited, RateLimiter, Tenant, Tenants
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 256
+OVERLOAD_RETRY_AFTER_S = 2
 Body = TypeVar("Body", bound=BaseModel)
 
 app = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
@@ -62,43 +84,95 @@ async def parse_body(request: Request, schema: type[Body]) -> Body:
         raise OpenAIError(400, f"{param}: {first['msg']}", param=param) from None
 
 
+def _catalog_error(exc: CatalogError) -> OpenAIError:
+    return OpenAIError(exc.status, str(exc))
+
+
+def _card(entry: AdapterEntry) -> AdapterCard:
+    return AdapterCard(
+        id=entry.public_id, parent=entry.base, name=entry.name, version=entry.version
+    )
+
+
+def _ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
-    """Routes `model` = base model name to that model's ModelServer deployment."""
+    """Authenticates, routes by model name, applies tenant limits, streams responses."""
 
-    def __init__(self, model_names: list[str], servers: list[DeploymentHandle]) -> None:
-        self.servers = dict(zip(model_names, servers, strict=True))
+    def __init__(self, config: PlatformConfig, servers: list[DeploymentHandle]) -> None:
+        self.bases = [model.name for model in config.models]
+        self.servers = dict(zip(self.bases, servers, strict=True))
+        self.tenants = Tenants(config.tenants)
+        self.catalog = AdapterCatalog(config.adapter_root, config.shared_adapters())
+        self.limits = RateLimiter()
+        self.metrics = IngressMetrics()
+        logger.info(
+            "ingress ready: models=%s tenants=%d auth=%s adapter_root=%s",
+            self.bases,
+            len(config.tenants),
+            "on" if self.tenants.auth_enabled else "off",
+            config.adapter_root,
+        )
 
+    def _tenant(self, request: Request) -> Tenant:
+        try:
+            return self.tenants.authenticate(request.headers.get("authorization"))
+        except AuthError as exc:
+            raise OpenAIError(401, str(exc), code="invalid_api_key") from None
+
+    # ---- read-only endpoints -----------------------------------------------------------
     @app.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=name) for name in self.servers])
+    @app.get("/metrics")
+    async def prometheus_metrics(self) -> PlainTextResponse:
+        """This node's platform metrics (from Ray's metrics agent), Prometheus text."""
+        node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == _ip())
+        url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        return PlainTextResponse(render_prometheus(text), media_type="text/plain; version=0.0.4")
 
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> ModelList:
+        tenant = self._tenant(request)
+        cards = [ModelCard(id=b, root=b) for b in self.bases if tenant.may_use_base(b)]
+        cards += [
+            ModelCard(id=e.public_id, parent=e.base, root=e.base)
+            for e in visible_adapters(tenant, self.bases, self.catalog)
+        ]
+        return ModelList(data=cards)
+
+    # ---- generation ------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
         body = await parse_body(request, CompletionRequest)
-        logprobs = body.logprobs
         call = GenerateCall(
             request_id=new_id("cmpl"),
-            params=self._params(body, body.max_tokens, logprobs),
+            params=self._params(body, body.max_tokens, body.logprobs),
             prompt=body.prompt,
+            max_tokens_given=body.max_tokens is not None,
         )
-        return await self._respond(body, call, chat=False)
+        return await self._respond(tenant, body, call, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        tenant = self._tenant(request)
         body = await parse_body(request, ChatCompletionRequest)
         top = body.top_logprobs if body.top_logprobs is not None else 0
         call = GenerateCall(
             request_id=new_id("chatcmpl"),
             params=self._params(body, body.requested_max_tokens, top if body.logprobs else None),
             messages=[m.model_dump(exclude_none=True) for m in body.messages],
+            max_tokens_given=body.requested_max_tokens is not None,
         )
-        return await self._respond(body, call, chat=True)
+        return await self._respond(tenant, body, call, chat=True)
 
     @staticmethod
     def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None):
@@ -107,48 +181,146 @@ class OpenAIIngress:
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from None
 
-    def _server(self, model: str) -> DeploymentHandle:
-        base, _, adapter = model.partition(":")
-        server = self.servers.get(base)
-        if server is None or adapter:
-            raise OpenAIError(404, f"model {model!r} does not exist", code="model_not_found")
-        return server
-
-    async def _respond(self, body: SamplingFields, call: GenerateCall, chat: bool) -> Response:
-        server = self._server(body.model)
-        logger.info("request %s -> %s (stream=%s)", call.request_id, body.model, body.stream)
-        steps = server.options(stream=True).generate.remote(call)
-        first = await anext(aiter(steps))
-        if isinstance(first, GenerateError):
-            raise OpenAIError(first.status, first.message, param=first.param)
+    async def _respond(
+        self, tenant: Tenant, body: SamplingFields, call: GenerateCall, chat: bool
+    ) -> Response:
+        route = resolve_model(tenant, body.model, self.bases, self.catalog)
+        call = dataclasses.replace(
+            call,
+            tenant=tenant.name,
+            adapter=route.adapter.public_id if route.adapter else None,
+        )
+        try:
+            self.limits.admit(tenant)
+        except RateLimited as exc:
+            self.metrics.record(tenant.name, 429)
+            raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
         accumulator = ChoiceAccumulator(call.request_id, body.model, chat, call.params.n)
+        try:
+            steps, first = await self._start(route, call)
+        except BaseException:
+            self.limits.release(tenant, 0)
+            raise
+        logger.info(
+            "request %s tenant=%s model=%s stream=%s",
+            call.request_id,
+            tenant.name,
+            body.model,
+            body.stream,
+        )
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(accumulator, first, steps, include_usage),
+                self._stream(tenant, accumulator, first, steps, include_usage),
                 media_type="text/event-stream",
             )
-        accumulator.add(first)
-        async for step in steps:
-            accumulator.add(step)
+        try:
+            accumulator.add(first)
+            async for step in steps:
+                accumulator.add(step)
+        finally:
+            self._finish(tenant, accumulator)
         return JSONResponse(accumulator.final())
 
-    @staticmethod
+    async def _start(self, route: Route, call: GenerateCall):
+        """Calls the model deployment; returns (response stream, its first step)."""
+        handle = self.servers[route.base].options(stream=True, multiplexed_model_id=route.model_id)
+        steps = handle.generate.remote(call)
+        try:
+            first = await anext(aiter(steps))
+        except BackPressureError:
+            raise OpenAIError(
+                503,
+                f"model {route.base!r} is overloaded, retry later",
+                retry_after_s=OVERLOAD_RETRY_AFTER_S,
+            ) from None
+        if isinstance(first, GenerateError):
+            raise OpenAIError(first.status, first.message, param=first.param)
+        return steps, first
+
+    def _finish(self, tenant: Tenant, accumulator: ChoiceAccumulator) -> None:
+        output_tokens = sum(accumulator.completion_tokens)
+        self.limits.release(tenant, accumulator.prompt_tokens + output_tokens)
+        self.metrics.record(tenant.name, 200, accumulator.prompt_tokens, output_tokens)
+
     async def _stream(
+        self,
+        tenant: Tenant,
         accumulator: ChoiceAccumulator,
         first: StreamStep,
-        steps: AsyncIterator[StreamStep],
+        steps,
         include_usage: bool,
     ) -> AsyncIterator[str]:
         started = time.monotonic()
-        for chunk in accumulator.chunks(first):
-            yield sse(chunk)
-        async for step in steps:
-            for chunk in accumulator.chunks(step):
+        finished = False
+        try:
+            for chunk in accumulator.chunks(first):
                 yield sse(chunk)
-        if include_usage:
-            yield sse(accumulator.usage_chunk())
-        yield "data: [DONE]\n\n"
+            async for step in steps:
+                for chunk in accumulator.chunks(step):
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(accumulator.usage_chunk())
+            yield "data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:
+                steps.cancel()
+                logger.info("request %s: client went away, aborted", accumulator.request_id)
+            self._finish(tenant, accumulator)
         logger.info(
             "request %s streamed in %.2fs", accumulator.request_id, time.monotonic() - started
         )
+
+    # ---- admin API: a tenant's own adapters -----------------------------------------------
+    @app.get("/v1/adapters")
+    async def list_adapters(self, request: Request) -> AdapterList:
+        tenant = self._tenant(request)
+        return AdapterList(data=[_card(e) for e in self.catalog.tenant_entries(tenant.name)])
+
+    @app.post("/v1/adapters", status_code=201)
+    async def register_adapter(self, request: Request) -> AdapterCard:
+        tenant = self._tenant(request)
+        body = await parse_body(request, RegisterAdapterRequest)
+        self._check_base(tenant, body.model)
+        try:
+            folder = self.catalog.checked_folder(tenant.name, body.path)
+        except CatalogError as exc:
+            raise _catalog_error(exc) from None
+        problem = await self.servers[body.model].validate_adapter.remote(
+            str(folder), f"{body.model}:{body.name}"
+        )
+        if problem is not None:
+            raise OpenAIError(problem.status, f"adapter rejected: {problem.message}")
+        try:
+            entry = self.catalog.register(
+                tenant.name, body.model, body.name, body.path, tenant.max_adapters
+            )
+        except CatalogError as exc:
+            raise _catalog_error(exc) from None
+        return _card(entry)
+
+    @app.post("/v1/adapters/{model}/{name}/unload")
+    async def unload_adapter(self, model: str, name: str, request: Request) -> AdapterCard:
+        tenant = self._tenant(request)
+        self._check_base(tenant, model)
+        try:
+            return _card(self.catalog.unload(tenant.name, model, name))
+        except CatalogError as exc:
+            raise _catalog_error(exc) from None
+
+    @app.delete("/v1/adapters/{model}/{name}")
+    async def delete_adapter(self, model: str, name: str, request: Request) -> dict:
+        tenant = self._tenant(request)
+        self._check_base(tenant, model)
+        try:
+            self.catalog.delete(tenant.name, model, name)
+        except CatalogError as exc:
+            raise _catalog_error(exc) from None
+        return {"id": f"{model}:{name}", "object": "adapter", "deleted": True}
+
+    def _check_base(self, tenant: Tenant, base: str) -> None:
+        if base not in self.servers:
+            raise OpenAIError(404, f"model {base!r} does not exist", code="model_not_found")
+        if not tenant.may_use_base(base):
+            raise OpenAIError(403, f"you may not use model {base!r}", code="model_not_allowed")

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from loraplex.deployments.catalog import ADAPTER_NAME
 from loraplex.platform.request import SamplingParams
 
 
@@ -118,6 +119,36 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class RegisterAdapterRequest(StrictModel):
+    """Admin API: register one of the caller's adapter folders under a name."""
+
+    model: str = Field(min_length=1, max_length=256, description="base model it adapts")
+    name: str = Field(min_length=1, max_length=64, description="called as '<model>:<name>'")
+    path: str = Field(
+        min_length=1, max_length=1024, description="folder relative to the tenant's root"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _adapter_name(cls, name: str) -> str:
+        if not ADAPTER_NAME.match(name):
+            raise ValueError(f"adapter name {name!r} must be letters, digits, '.', '_' or '-'")
+        return name
+
+
+class AdapterCard(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    parent: str
+    name: str
+    version: int
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterCard]
 
 
 def new_id(prefix: str) -> str:

@@ -108,13 +108,16 @@ class AsyncEngine:
             if not finished:
                 self._send(_Abort(request_id))
 
-    async def load_adapter(self, adapter: str | LoRAAdapter | None) -> LoRAAdapter | None:
-        """Loads an adapter off the event loop and off the engine loop."""
+    async def load_adapter(
+        self, adapter: str | LoRAAdapter | None, name: str | None = None
+    ) -> LoRAAdapter | None:
+        """Loads an adapter (a registered name or a folder, labelled `name`) off the event
+        loop and off the engine loop."""
         if adapter is None or isinstance(adapter, LoRAAdapter):
             return adapter
         if self.engine.adapters is None:
             raise ValueError("LoRA is disabled on this engine (max_loras=0)")
-        return await asyncio.wrap_future(self.engine.adapters.load_async(adapter))
+        return await asyncio.wrap_future(self.engine.adapters.load_async(adapter, name))
 
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))

@@ -1,14 +1,35 @@
-"""One real Ray Serve app for the whole test session (starting one costs ~15 s)."""
+"""One real Ray Serve app for the whole test session (starting one costs ~15 s).
+
+The app serves two tiny base models: `tiny` (Llama, with three shared adapters) and
+`tiny-qwen` (one replica that takes one request at a time and queues one, so it
+overloads on purpose). Three tenants: `acme` (everything), `globex` (key from an
+environment variable; `tiny` and its shared adapter `sa` only) and `limited`
+(one request at a time, 60 tokens a minute). Tenant adapters live under a temporary
+adapter root.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
+from loraplex.deployments.tenants import hash_key
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+KEYS = {"acme": "sk-acme-test", "globex": "sk-globex-test", "limited": "sk-limited-test"}
+GLOBEX_KEY_ENV = "LORAPLEX_TEST_GLOBEX_KEY"
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHARED = {
+    "sa": dict(rank=4, target_modules=("q_proj", "v_proj"), seed=11),
+    "sb": dict(rank=8, target_modules=ALL_MODULES, seed=12),
+    "sc": dict(rank=2, target_modules=("o_proj", "down_proj"), seed=13),
+}
 
 
 def free_port() -> int:
@@ -17,37 +38,108 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ServeSetup:
+    url: str
+    base: Path
+    shared: dict[str, Path]
+    adapter_root: Path
+
+
 @pytest.fixture(scope="session")
-def serve_url(tiny_model_factory):
+def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
     import ray
     from ray import serve
 
     from loraplex.deployments.app import build_app
 
-    folder = tiny_model_factory("llama")
+    base = tiny_model_factory("llama")
+    shared_root = tmp_path_factory.mktemp("shared-adapters")
+    shared = {
+        name: peft_adapter_factory(base, shared_root / name, **options)
+        for name, options in SHARED.items()
+    }
+    adapter_root = tmp_path_factory.mktemp("tenant-adapters")
+    os.environ[GLOBEX_KEY_ENV] = KEYS["globex"]
+    engine = {"max_model_len": 128, "max_num_seqs": 16, "max_loras": 4, "max_lora_rank": 8}
+    config = {
+        "adapter_root": str(adapter_root),
+        "models": [
+            {
+                "name": "tiny",
+                "model": str(base),
+                "engine": {**engine, "max_cpu_loras": 8},
+                "adapters": {name: str(folder) for name, folder in shared.items()},
+                "server": {"num_cpus": 0.1},
+            },
+            {
+                "name": "tiny-qwen",
+                "model": str(tiny_model_factory("qwen2")),
+                "engine": {"max_model_len": 1024, "max_loras": 0},
+                "server": {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1},
+            },
+        ],
+        "tenants": [
+            {
+                "name": "acme",
+                "api_key_sha256": [hash_key(KEYS["acme"])],
+                "shared_adapters": ["*:*"],
+            },
+            {
+                "name": "globex",
+                "api_key_env": [GLOBEX_KEY_ENV],
+                "models": ["tiny"],
+                "shared_adapters": ["tiny:sa"],
+            },
+            {
+                "name": "limited",
+                "api_key_sha256": [hash_key(KEYS["limited"])],
+                "max_concurrent_requests": 1,
+                "tokens_per_minute": 60,
+            },
+        ],
+    }
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app(
-        {
-            "models": [
-                {
-                    "name": "tiny",
-                    "model": str(folder),
-                    "engine": {"max_model_len": 128, "max_num_seqs": 16},
-                    "server": {"num_cpus": 0.1},
-                }
-            ]
-        }
-    )
-    serve.run(app, name="loraplex", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
+    serve.run(build_app(config), name="loraplex", route_prefix="/")
+    yield ServeSetup(f"http://127.0.0.1:{port}", base, shared, adapter_root)
     serve.shutdown()
     ray.shutdown()
 
 
 @pytest.fixture(scope="session")
-def client(serve_url):
+def serve_url(serve_setup) -> str:
+    return serve_setup.url
+
+
+def make_client(serve_url: str, tenant: str | None):
     import openai
 
-    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key="unused", max_retries=0)
+    key = KEYS[tenant] if tenant else "no-such-key"
+    return openai.OpenAI(base_url=f"{serve_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def client(serve_url):
+    """The `acme` tenant's OpenAI client."""
+    return make_client(serve_url, "acme")
+
+
+@pytest.fixture(scope="session")
+def model_server(serve_setup):
+    """Handle of the `tiny` model deployment (replica_info, direct calls)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("model-tiny", app_name="loraplex")
+
+
+@pytest.fixture(scope="session")
+def tenant_client(serve_url):
+    """tenant name (or None: a bad key) -> that tenant's OpenAI client."""
+    return lambda tenant: make_client(serve_url, tenant)
+
+
+@pytest.fixture(scope="session")
+def tenant_keys() -> dict[str, str]:
+    return dict(KEYS)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -11,10 +13,11 @@ import pytest
 from loraplex.platform import LLM, SamplingParams
 
 
-def post_raw(url: str, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-    )
+def post_raw(url: str, body: bytes, key: str | None = "sk-acme-test") -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -22,14 +25,15 @@ def post_raw(url: str, body: bytes) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
-def test_models_lists_the_base_model(client):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+def test_models_lists_the_base_models(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids[:2] == ["tiny", "tiny-qwen"]
 
 
 def test_completion_matches_offline_greedy(client, tiny_model_factory):
     prompt = [5, 6, 7, 8, 9]
     response = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
-    offline = LLM(str(tiny_model_factory("llama")), max_model_len=128)
+    offline = LLM(str(tiny_model_factory("llama")), max_model_len=128, max_loras=0)
     (expected,) = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
     assert response.choices[0].text == expected.text
     assert response.usage.prompt_tokens == 5
@@ -111,3 +115,87 @@ def test_malformed_bodies_are_400_with_openai_error_json(serve_url, body):
 def test_health(serve_url):
     with urllib.request.urlopen(f"{serve_url}/health", timeout=10) as response:
         assert json.loads(response.read()) == {"status": "ok"}
+
+
+def test_missing_or_bad_key_is_401(tenant_client, serve_url):
+    with pytest.raises(openai.AuthenticationError) as error:
+        tenant_client(None).completions.create(model="tiny", prompt="w1", max_tokens=2)
+    assert error.value.body["code"] == "invalid_api_key"
+    status, payload = post_raw(f"{serve_url}/v1/completions", b"{}", key=None)
+    assert status == 401 and "missing API key" in payload["error"]["message"]
+
+
+def test_body_over_one_mib_is_413(serve_url):
+    body = json.dumps({"model": "tiny", "prompt": "w1 " * 400_000}).encode()
+    status, payload = post_raw(f"{serve_url}/v1/completions", body)
+    assert status == 413 and payload["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "tiny", "prompt": "w1", "max_tokens": "many"},
+        {"model": "tiny", "prompt": "w1", "max_tokens": 10**12},
+        {"model": "tiny", "prompt": "w1", "n": 1000},
+        {"model": ["tiny"], "prompt": "w1"},
+        {"model": "tiny", "prompt": [1, -5]},
+        {"model": "tiny", "prompt": [10**9]},
+        {"model": "tiny", "prompt": ""},
+    ],
+)
+def test_wrong_types_and_absurd_values_are_400(serve_url, body):
+    status, payload = post_raw(f"{serve_url}/v1/completions", json.dumps(body).encode())
+    assert status == 400, payload
+    assert payload["error"]["type"] == "invalid_request_error"
+
+
+def test_tenant_limits_give_429_with_retry_after(tenant_client):
+    limited = tenant_client("limited")
+    stream = limited.completions.create(
+        model="tiny", prompt="w1 w2", max_tokens=60, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError) as error:
+        limited.completions.create(model="tiny", prompt="w1", max_tokens=2)
+    assert int(error.value.response.headers["retry-after"]) >= 1
+    assert "in flight" in error.value.body["message"]
+    stream.close()
+    # The aborted stream's tokens plus one more call exhaust 60 tokens a minute.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            limited.completions.create(
+                model="tiny", prompt="w1", max_tokens=40, extra_body={"ignore_eos": True}
+            )
+        except openai.RateLimitError as limit:
+            assert "tokens in the last minute" in limit.body["message"]
+            break
+        assert time.monotonic() < deadline, "token budget never enforced"
+
+
+def test_overloaded_model_is_503_with_retry_after(tenant_client):
+    """tiny-qwen takes one request at a time and queues one: of four concurrent long
+    requests, some are served and the rest are refused with 503 and Retry-After."""
+    client = tenant_client("acme")
+
+    def long_request():
+        try:
+            stream = client.completions.create(
+                model="tiny-qwen",
+                prompt=[1, 2],
+                max_tokens=600,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        except openai.InternalServerError as error:
+            return error
+        stream.close()
+        return None
+
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(lambda _: long_request(), range(4)))
+    refused = [o for o in outcomes if o is not None]
+    assert refused and len(refused) < 4, outcomes
+    for error in refused:
+        assert error.status_code == 503 and "overloaded" in error.body["message"]
+        assert int(error.response.headers["retry-after"]) >= 1

@@ -1,0 +1,213 @@
+"""Which adapters exist, whose they are, and where their files live.
+
+Two kinds of adapter:
+- shared: declared per base model in serve_config.yaml (`models[].adapters`), owned by
+  the operator; tenants reach them through their `shared_adapters` ACL;
+- tenant-owned: registered at runtime through the admin API from a folder under
+  `<adapter_root>/<tenant>/`; only their tenant sees them.
+
+Tenant registrations live in `<adapter_root>/.catalog.json`, written atomically under
+a file lock, so every ingress and model-server replica (on any node that mounts the
+root) reads the same catalog; a replica re-reads it when its mtime changes. Each entry
+has a version that grows on every register / unload, and the Serve multiplexed model id
+(`AdapterEntry.model_id`) includes it: a re-registered or unloaded adapter gets a new
+id, so no replica serves a stale copy under the current name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+logger = logging.getLogger(__name__)
+
+SHARED = "shared"
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+CATALOG_FILE = ".catalog.json"
+
+
+class CatalogError(Exception):
+    """A registration that cannot be accepted; `status` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    owner: str
+    base: str
+    name: str
+    folder: Path
+    version: int = 0
+
+    @property
+    def model_id(self) -> str:
+        """Serve multiplexed model id: unique per owner, name and version."""
+        return f"{self.owner}/{self.name}@{self.version}"
+
+    @property
+    def public_id(self) -> str:
+        return f"{self.base}:{self.name}"
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def contained_folder(root: Path, relative: str) -> Path:
+    """`root / relative` resolved (symlinks followed); CatalogError unless it is a
+    directory inside `root` whose adapter files also resolve inside `root`: no absolute
+    paths, no '..', no symlink (folder or file) leaving the root."""
+    if not relative or Path(relative).is_absolute() or "\x00" in relative:
+        raise CatalogError(400, f"adapter path {relative!r} must be relative to your adapter root")
+    root = root.resolve()
+    folder = (root / relative).resolve()
+    if not folder.is_relative_to(root) or folder == root:
+        raise CatalogError(400, f"adapter path {relative!r} leaves your adapter root")
+    if not folder.is_dir():
+        raise CatalogError(400, f"adapter path {relative!r} is not a directory")
+    for name in ADAPTER_FILES:
+        if not (folder / name).resolve().is_relative_to(root):
+            raise CatalogError(400, f"{relative}/{name} is a link that leaves your adapter root")
+    return folder
+
+
+class AdapterCatalog:
+    def __init__(self, root: str | Path, shared: dict[str, dict[str, str]]) -> None:
+        """`shared`: base model -> {adapter name -> folder} from the config."""
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._file = self.root / CATALOG_FILE
+        self._lock = FileLock(str(self.root / (CATALOG_FILE + ".lock")))
+        self._mutex = threading.Lock()
+        self.shared = {
+            base: {
+                name: AdapterEntry(SHARED, base, name, Path(folder).resolve())
+                for name, folder in adapters.items()
+            }
+            for base, adapters in shared.items()
+        }
+        self._mtime: int | None = None
+        self._data: dict = {"next_version": 1, "tenants": {}}
+
+    # ---- reading ---------------------------------------------------------------------
+    def _refresh(self) -> bool:
+        """Re-reads the catalog file if it changed; True when it did."""
+        try:
+            mtime = self._file.stat().st_mtime_ns
+        except FileNotFoundError:
+            mtime = None
+        with self._mutex:
+            if mtime == self._mtime:
+                return False
+            self._data = self._read() if mtime is not None else {"next_version": 1, "tenants": {}}
+            self._mtime = mtime
+            return True
+
+    def _read(self) -> dict:
+        return json.loads(self._file.read_text())
+
+    def tenant_entries(self, tenant: str) -> list[AdapterEntry]:
+        """The tenant's usable adapters (entries whose files broke are logged, skipped)."""
+        self._refresh()
+        entries = []
+        for key, record in sorted(self._data["tenants"].get(tenant, {}).items()):
+            try:
+                entries.append(self._entry(tenant, key, record))
+            except CatalogError as exc:
+                logger.warning("tenant %s adapter %s skipped: %s", tenant, key, exc)
+        return entries
+
+    def _entry(self, tenant: str, key: str, record: dict) -> AdapterEntry:
+        """The entry with its folder checked again: files may have changed since."""
+        base, name = key.split(":", 1)
+        folder = contained_folder(self.tenant_root(tenant), record["path"])
+        return AdapterEntry(tenant, base, name, folder, record["version"])
+
+    def find_tenant(self, tenant: str, base: str, name: str) -> AdapterEntry | None:
+        self._refresh()
+        record = self._data["tenants"].get(tenant, {}).get(f"{base}:{name}")
+        return None if record is None else self._entry(tenant, f"{base}:{name}", record)
+
+    def find_shared(self, base: str, name: str) -> AdapterEntry | None:
+        return self.shared.get(base, {}).get(name)
+
+    def by_model_id(self, base: str, model_id: str) -> AdapterEntry | None:
+        """The current entry a multiplexed model id names (None if deleted or stale)."""
+        owner, _, rest = model_id.partition("/")
+        name, _, _ = rest.rpartition("@")
+        entry = (
+            self.find_shared(base, name) if owner == SHARED else self.find_tenant(owner, base, name)
+        )
+        return entry if entry is not None and entry.model_id == model_id else None
+
+    def tenant_root(self, tenant: str) -> Path:
+        return self.root / tenant
+
+    # ---- writing (admin API) -------------------------------------------------------------
+    def checked_folder(self, tenant: str, relative_path: str) -> Path:
+        """The folder a tenant's registration names, refused unless inside its root."""
+        tenant_root = self.tenant_root(tenant)
+        tenant_root.mkdir(parents=True, exist_ok=True)
+        return contained_folder(tenant_root, relative_path)
+
+    def register(
+        self, tenant: str, base: str, name: str, relative_path: str, max_adapters: int
+    ) -> AdapterEntry:
+        if not ADAPTER_NAME.match(name):
+            raise CatalogError(
+                400, f"adapter name {name!r} must be 1-64 letters, digits, '.', '_' or '-'"
+            )
+        tenant_root = self.tenant_root(tenant)
+        folder = self.checked_folder(tenant, relative_path)
+        with self._lock:
+            data = self._read() if self._file.exists() else {"next_version": 1, "tenants": {}}
+            records = data["tenants"].setdefault(tenant, {})
+            key = f"{base}:{name}"
+            if key not in records and len(records) >= max_adapters:
+                raise CatalogError(403, f"tenant {tenant!r} may register {max_adapters} adapters")
+            version = data["next_version"]
+            data["next_version"] = version + 1
+            records[key] = {
+                "path": str(folder.relative_to(tenant_root.resolve())),
+                "version": version,
+            }
+            self._write(data)
+        logger.info("tenant %s registered adapter %s -> %s (v%d)", tenant, key, folder, version)
+        return AdapterEntry(tenant, base, name, folder, version)
+
+    def unload(self, tenant: str, base: str, name: str) -> AdapterEntry:
+        """Gives the adapter a new version: replicas drop their copies, the next request
+        loads it from disk again."""
+        with self._lock:
+            data = self._read() if self._file.exists() else {"next_version": 1, "tenants": {}}
+            record = data["tenants"].get(tenant, {}).get(f"{base}:{name}")
+            if record is None:
+                raise CatalogError(404, f"adapter {base}:{name} does not exist")
+            record["version"] = data["next_version"]
+            data["next_version"] += 1
+            self._write(data)
+        return self._entry(tenant, f"{base}:{name}", record)
+
+    def delete(self, tenant: str, base: str, name: str) -> None:
+        with self._lock:
+            data = self._read() if self._file.exists() else {"next_version": 1, "tenants": {}}
+            if data["tenants"].get(tenant, {}).pop(f"{base}:{name}", None) is None:
+                raise CatalogError(404, f"adapter {base}:{name} does not exist")
+            self._write(data)
+        logger.info("tenant %s deleted adapter %s:%s", tenant, base, name)
+
+    def _write(self, data: dict) -> None:
+        handle, temporary = tempfile.mkstemp(dir=self.root, prefix=".catalog-", suffix=".tmp")
+        with os.fdopen(handle, "w") as out:
+            json.dump(data, out, indent=1, sort_keys=True)
+        os.replace(temporary, self._file)

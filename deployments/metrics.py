@@ -1,0 +1,190 @@
+"""Every metric the platform records, defined once, through `ray.util.metrics`.
+
+Ray exports them from each node's metrics agent (so the Ray dashboard's Grafana and a
+Prometheus scraping Ray see them, prefixed `ray_`); the ingress's `/metrics` re-serves
+this node's families under their own names (`render_prometheus`). Names follow vLLM's
+where the meaning is the same (`vllm:num_requests_running` ...; Ray forbids ':' so they
+are recorded as `vllm_...` and renamed back on /metrics). Label values that come from
+users (adapters, tenants) are capped per process (`BoundedLabel`), so a flood of
+adapter names cannot blow up the series count.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client.parser import text_string_to_metric_families
+from ray.util import metrics
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TOKEN_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+LOAD_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]
+OUR_PREFIXES = {"ray_vllm_": "vllm:", "ray_loraplex_": "loraplex_"}
+_RAY_LABELS = {"Component", "SessionName", "Version", "otel_scope_name", "otel_scope_schema_url"}
+_RAY_LABELS |= {"otel_scope_version", "JobId", "NodeAddress", "WorkerId"}
+
+
+class BoundedLabel:
+    """Maps user-chosen label values to at most `limit` distinct ones; the rest -> 'other'."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        with self._lock:
+            if value in self._seen:
+                return value
+            if len(self._seen) < self.limit:
+                self._seen.add(value)
+                return value
+        return "other"
+
+
+class EngineMetrics:
+    """Recorded by a model-server replica: its engine's state and its requests."""
+
+    def __init__(self, model: str, replica: str) -> None:
+        self.tags = {"model_name": model, "replica": replica}
+        keys = ("model_name", "replica")
+        adapter_keys = (*keys, "adapter")
+        self.running = metrics.Gauge(
+            "vllm_num_requests_running", "Requests in the running batch", keys
+        )
+        self.waiting = metrics.Gauge("vllm_num_requests_waiting", "Requests waiting", keys)
+        self.kv_usage = metrics.Gauge(
+            "vllm_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", keys
+        )
+        self.prefix_queries = metrics.Counter(
+            "vllm_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", keys
+        )
+        self.prefix_hits = metrics.Counter(
+            "vllm_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", keys
+        )
+        self.ttft = metrics.Histogram(
+            "vllm_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS, keys
+        )
+        self.tpot = metrics.Histogram(
+            "vllm_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            TOKEN_LATENCY_BUCKETS,
+            keys,
+        )
+        self.e2e = metrics.Histogram(
+            "vllm_e2e_request_latency_seconds", "Request latency", LATENCY_BUCKETS, keys
+        )
+        self.prompt_tokens = metrics.Counter(
+            "vllm_prompt_tokens_total", "Prompt tokens processed", keys
+        )
+        self.generation_tokens = metrics.Counter(
+            "vllm_generation_tokens_total", "Tokens generated", keys
+        )
+        self.adapter_requests = metrics.Counter(
+            "loraplex_adapter_requests_total", "Requests per adapter ('base': none)", adapter_keys
+        )
+        self.adapter_tokens = metrics.Counter(
+            "loraplex_adapter_generation_tokens_total", "Tokens generated per adapter", adapter_keys
+        )
+        self.adapter_load = metrics.Histogram(
+            "loraplex_adapter_load_seconds", "Adapter load from disk", LOAD_BUCKETS, keys
+        )
+        self.resident = metrics.Gauge(
+            "loraplex_resident_adapters",
+            "Adapters held by the replica, per tier",
+            (*keys, "tier"),
+        )
+        self.adapter_label = BoundedLabel()
+        self._last_prefix = (0, 0)
+
+    def record_engine(self, stats: dict[str, float]) -> None:
+        """Sets gauges from `LLMEngine.stats()` and advances the cumulative counters."""
+        self.running.set(stats["num_running"], self.tags)
+        self.waiting.set(stats["num_waiting"], self.tags)
+        self.kv_usage.set(stats["kv_cache_usage"], self.tags)
+        queries, hits = int(stats["prefix_cache_queries"]), int(stats["prefix_cache_hits"])
+        if queries > self._last_prefix[0]:
+            self.prefix_queries.inc(queries - self._last_prefix[0], self.tags)
+        if hits > self._last_prefix[1]:
+            self.prefix_hits.inc(hits - self._last_prefix[1], self.tags)
+        self._last_prefix = (queries, hits)
+        for tier, key in (("device", "lora_resident"), ("host", "lora_host_cached")):
+            if key in stats:
+                self.resident.set(stats[key], {**self.tags, "tier": tier})
+
+    def record_request(
+        self,
+        adapter: str | None,
+        prompt_tokens: int,
+        output_tokens: int,
+        ttft_s: float | None,
+        e2e_s: float,
+    ) -> None:
+        tags = self.tags
+        adapter_tags = {**tags, "adapter": self.adapter_label(adapter or "base")}
+        self.adapter_requests.inc(1, adapter_tags)
+        self.prompt_tokens.inc(prompt_tokens, tags)
+        self.e2e.observe(e2e_s, tags)
+        if output_tokens:
+            self.generation_tokens.inc(output_tokens, tags)
+            self.adapter_tokens.inc(output_tokens, adapter_tags)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, tags)
+            if output_tokens > 1:
+                self.tpot.observe((e2e_s - ttft_s) / (output_tokens - 1), tags)
+
+
+class IngressMetrics:
+    """Recorded by the ingress: per-tenant requests (by HTTP status) and tokens."""
+
+    def __init__(self) -> None:
+        self.requests = metrics.Counter(
+            "loraplex_tenant_requests_total", "Requests per tenant and status", ("tenant", "status")
+        )
+        self.tokens = metrics.Counter(
+            "loraplex_tenant_tokens_total",
+            "Tokens per tenant (prompt, generation)",
+            ("tenant", "kind"),
+        )
+        self.tenant_label = BoundedLabel()
+
+    def record(self, tenant: str, status: int, prompt_tokens: int = 0, output_tokens: int = 0):
+        name = self.tenant_label(tenant)
+        self.requests.inc(1, {"tenant": name, "status": str(status)})
+        if prompt_tokens:
+            self.tokens.inc(prompt_tokens, {"tenant": name, "kind": "prompt"})
+        if output_tokens:
+            self.tokens.inc(output_tokens, {"tenant": name, "kind": "generation"})
+
+
+def render_prometheus(ray_text: str) -> str:
+    """The platform's families from a Ray metrics agent's Prometheus text, renamed to
+    their own names (`ray_vllm_x` -> `vllm:x`), without Ray's per-process labels.
+    Series that then coincide (a counter kept by two ingress processes) are summed;
+    per-replica series stay apart through their own `replica` label."""
+    lines: list[str] = []
+    for family in text_string_to_metric_families(ray_text):
+        prefix = next((p for p in OUR_PREFIXES if family.name.startswith(p)), None)
+        if prefix is None:
+            continue
+        new_prefix = OUR_PREFIXES[prefix]
+        name = new_prefix + family.name[len(prefix) :]
+        kind = family.type if family.type != "unknown" else "untyped"
+        lines.append(f"# HELP {name} {family.documentation}")
+        lines.append(f"# TYPE {name} {kind}")
+        series: dict[str, float] = {}
+        for sample in family.samples:
+            sample_name = new_prefix + sample.name[len(prefix) :]
+            labels = ",".join(
+                f'{key}="{_escape(value)}"'
+                for key, value in sorted(sample.labels.items())
+                if key not in _RAY_LABELS
+            )
+            key = f"{sample_name}{{{labels}}}"
+            series[key] = series.get(key, 0.0) + sample.value
+        lines.extend(f"{key} {value}" for key, value in series.items())
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

@@ -44,6 +44,7 @@ class ServerOptions(StrictConfig):
         if value == 0:
             raise ValueError("max_queued_requests must be -1 (unbounded) or at least 1")
         return value
+
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
 
 

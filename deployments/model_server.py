@@ -84,14 +84,17 @@ class ResidentAdapter:
     """What `serve.multiplexed` caches per adapter: its catalog entry. When Serve
     evicts it (LRU past `max_num_models_per_replica`) the engine drops its host copy."""
 
-    def __init__(self, entry: AdapterEntry, store: AdapterStore) -> None:
+    def __init__(self, entry: AdapterEntry, store: AdapterStore, resident_ids: set[str]) -> None:
         self.entry = entry
         self._store = store
+        self._resident_ids = resident_ids
+        resident_ids.add(entry.model_id)
 
     def __del__(self) -> None:
         store, self._store = self._store, None
         if store is not None:
             store.evict(self.entry.folder)
+            self._resident_ids.discard(self.entry.model_id)
 
 
 class ModelServer:
@@ -102,6 +105,7 @@ class ModelServer:
         self.catalog = AdapterCatalog(adapter_root, {config.name: dict(config.adapters)})
         replica = serve.get_replica_context().replica_id.unique_id if _in_serve() else "local"
         self.metrics = EngineMetrics(config.name, replica)
+
         # A plain function, not the bound method: Serve caches its state on the callable.
         async def load_resident(model_id: str) -> ResidentAdapter:
             return await self._load_resident(model_id)
@@ -109,6 +113,7 @@ class ModelServer:
         self._resident = serve.multiplexed(
             max_num_models_per_replica=max(engine_config.lora.max_cpu_loras, 1)
         )(load_resident)
+        self._resident_ids: set[str] = set()
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_stats, daemon=True)
         self._reporter.start()
@@ -122,7 +127,7 @@ class ModelServer:
         started = time.perf_counter()
         await self.engine.load_adapter(str(entry.folder), entry.public_id)
         self.metrics.adapter_load.observe(time.perf_counter() - started, self.metrics.tags)
-        return ResidentAdapter(entry, self.engine.engine.adapters)
+        return ResidentAdapter(entry, self.engine.engine.adapters, self._resident_ids)
 
     async def _adapter_for_call(self) -> LoRAAdapter | None:
         model_id = serve.get_multiplexed_model_id() if _in_serve() else ""
@@ -178,6 +183,7 @@ class ModelServer:
         return {
             "replica": self.metrics.tags["replica"],
             "host_adapters": store.num_cached if store else 0,
+            "resident_model_ids": sorted(self._resident_ids),
             "device_adapters": [a.name for a in engine.runner.lora_slots.resident]
             if engine.runner.lora_slots
             else [],

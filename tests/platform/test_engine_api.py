@@ -203,3 +203,30 @@ def test_async_engine_streams_and_aborts(llm):
         engine.check_health()
     finally:
         engine.shutdown()
+
+
+def test_dead_engine_loop_fails_health_and_every_waiting_stream(tiny_model_factory):
+    """If the step loop dies (here: an injected fault), check_health raises and waiting
+    consumers get EngineDeadError instead of hanging."""
+    from loraplex.platform.async_engine import EngineDeadError
+
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=64, dtype="float32")
+    engine = AsyncEngine(llm.engine)
+
+    def broken_step():
+        raise RuntimeError("injected fault")
+
+    llm.engine.step = broken_step
+
+    async def scenario():
+        params = SamplingParams(temperature=0, max_tokens=5)
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            async for _ in engine.generate([1, 2, 3], params):
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+    finally:
+        engine.shutdown()

@@ -104,7 +104,8 @@ class IngressOptions(StrictConfig):
 
 
 def default_adapter_root() -> str:
-    return str(cache_root() / "tenant-adapters")
+    """<cache dir>/tenant-adapters (next to the converted models)."""
+    return str(cache_root().parent / "tenant-adapters")
 
 
 class PlatformConfig(StrictConfig):

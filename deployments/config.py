@@ -118,6 +118,9 @@ class PlatformConfig(StrictConfig):
         default_factory=default_adapter_root,
         description="tenant adapters are registered from <adapter_root>/<tenant>/...",
     )
+    log_prompts: bool = Field(
+        False, description="log each request's prompt or messages (off: ids and sizes only)"
+    )
 
     @field_validator("adapter_root")
     @classmethod

@@ -109,6 +109,7 @@ class OpenAIIngress:
         self.tenants = Tenants(config.tenants)
         self.catalog = AdapterCatalog(config.adapter_root, config.shared_adapters())
         self.limits = RateLimiter()
+        self.log_prompts = config.log_prompts
         self.metrics = IngressMetrics()
         logger.info(
             "ingress ready: models=%s tenants=%d auth=%s adapter_root=%s",
@@ -208,6 +209,8 @@ class OpenAIIngress:
             body.model,
             body.stream,
         )
+        if self.log_prompts:
+            logger.info("request %s prompt: %r", call.request_id, call.messages or call.prompt)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(

@@ -30,6 +30,40 @@ def cpu_lacks_half_matmul(dtype: torch.dtype) -> bool:
     return False
 
 
+@functools.cache
+def onednn_prepacking(dtype: torch.dtype) -> bool:
+    """True when oneDNN can prepack CPU weights of `dtype` for its linear kernels.
+
+    Measured on the 2-core dev machine (AMD EPYC, AVX-512): fp32 projections of the
+    default model run 2.2-3.4x faster than F.linear (MKL sgemm), bf16 ones 1.1-1.4x."""
+    ops = torch.ops.mkldnn
+    if not torch.backends.mkldnn.is_available() or not hasattr(ops, "_reorder_linear_weight"):
+        return False
+    return dtype == torch.float32 or (
+        dtype in (torch.bfloat16, torch.float16) and not cpu_lacks_half_matmul(dtype)
+    )
+
+
+class PackedWeight:
+    """A CPU weight [out, in] reordered once into oneDNN's blocked layout.
+
+    Semantics: packed(x) = x @ W.T + b, x [T, in] (W's dtype) -> [T, out]; the same
+    as F.linear(x, W, b) up to accumulation order."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+
+    @classmethod
+    def maybe(cls, weight: torch.Tensor) -> PackedWeight | None:
+        """A packed copy when `weight` is a CPU tensor oneDNN can prepack, else None."""
+        if weight.device.type != "cpu" or not onednn_prepacking(weight.dtype):
+            return None
+        return cls(weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear; on a CPU without native half-precision matmul, half weights are widened
     to fp32 for the product (exactly: bf16 -> fp32 is lossless) and the result is cast
@@ -67,6 +101,8 @@ class MergedLinear(nn.Module):
             else None
         )
         self.lora: LoRAStack | None = None
+        self.packed: PackedWeight | None = None
+        """oneDNN copy of `weight` (CPU), made by `pack` once the weights are loaded."""
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -78,11 +114,18 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out]; adds each token's adapter delta when `lora` is given."""
-        out = linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            out = self.packed(x, self.bias)
+        else:
+            out = linear(x, self.weight, self.bias)
         if lora is not None and self.lora is not None:
             stack = self.lora
             add_lora(out, x, stack.a, stack.b, lora, stack.backend, stack.num_slices)
         return out
+
+    def pack(self) -> None:
+        """Prepacks the loaded weight for oneDNN where that is faster (CPU only)."""
+        self.packed = PackedWeight.maybe(self.weight)
 
     def enable_lora(self, max_loras: int, max_rank: int, backend: str) -> LoRAStack:
         """Allocates this projection's zeroed adapter slots."""

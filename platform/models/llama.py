@@ -19,7 +19,7 @@ from torch import nn
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.layers.attention import PagedAttention
-from loraplex.platform.layers.linear import Linear, MergedLinear, linear
+from loraplex.platform.layers.linear import Linear, MergedLinear, PackedWeight, linear
 from loraplex.platform.layers.norm import RMSNorm
 from loraplex.platform.layers.rotary import RotaryEmbedding, apply_rotary
 from loraplex.platform.models.arch import ModelArch
@@ -130,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope, device
         )
+        self.packed_lm_head: PackedWeight | None = None
         if arch.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
@@ -157,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> float32 logits [R, vocab]."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden, None).float()
         return linear(hidden, self.lm_head, None).float()
 
     def lora_targets(self) -> dict[tuple[int, str], tuple[MergedLinear, int]]:
@@ -215,6 +218,11 @@ class LlamaForCausalLM(nn.Module):
         return targets
 
     def load_weights(self, folder: str | Path) -> None:
-        """Fills every parameter from the HF safetensors in `folder` (single or sharded)."""
+        """Fills every parameter from the HF safetensors in `folder` (single or sharded),
+        then prepacks the projections and the LM head for CPU matmuls where useful."""
         ignored = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
         load_checkpoint(Path(folder), self.weight_targets(), ignored)
+        for module in self.modules():
+            if isinstance(module, MergedLinear):
+                module.pack()
+        self.packed_lm_head = PackedWeight.maybe(self.lm_head)

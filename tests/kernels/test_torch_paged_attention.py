@@ -73,12 +73,19 @@ def test_decode_matches_reference(num_heads, num_kv_heads, dtype):
     assert scratch, "derived gather tensors are cached for later layers"
 
 
+PREFILL_LAYOUTS = {
+    "mixed": ([1, 4, 3, 5, 1, 8], [1, 4, 7, 8, 9, 8]),
+    # runs of fresh chunks of equal length share one SDPA call; cached ones break runs
+    "fresh_runs": ([4, 4, 4, 3, 5, 5, 2, 2], [4, 4, 4, 7, 5, 5, 2, 9]),
+}
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_matches_reference(num_heads, num_kv_heads, dtype):
+@pytest.mark.parametrize("layout", list(PREFILL_LAYOUTS))
+def test_prefill_matches_reference(num_heads, num_kv_heads, dtype, layout):
     gen = torch.Generator().manual_seed(2)
-    query_lens = [1, 4, 3, 5, 1, 8]
-    seq_lens = [1, 4, 7, 8, 9, 8]
+    query_lens, seq_lens = PREFILL_LAYOUTS[layout]
     tables = make_tables(seq_lens, gen)
     cache = random_cache(num_kv_heads, dtype, gen)
     q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen).to(dtype)

@@ -205,6 +205,7 @@ def test_async_engine_streams_and_aborts(llm):
         engine.shutdown()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_dead_engine_loop_fails_health_and_every_waiting_stream(tiny_model_factory):
     """If the step loop dies (here: an injected fault), check_health raises and waiting
     consumers get EngineDeadError instead of hanging."""

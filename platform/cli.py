@@ -51,10 +51,31 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--prompt-len", type=int, default=128)
     offline.add_argument("--output-len", type=int, default=64)
     offline.add_argument("--baseline", choices=("hf",), default=None, help="also run HF generate")
-    offline.add_argument("--hf-batch-size", type=int, default=16)
+    offline.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        help="HF static batch size (default: 16, or 8 per adapter group with --adapters)",
+    )
     offline.add_argument("--max-num-seqs", type=int, default=None, help="engine batch limit")
     offline.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="engine per-step token budget"
+    )
+    offline.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        help="N > 0: also time the workload spread over N random PEFT LoRA adapters "
+        "(and HF + PEFT as the baseline); 0: base model only",
+    )
+    offline.add_argument("--lora-rank", type=int, default=8, help="rank of the bench adapters")
+    offline.add_argument(
+        "--lora-targets",
+        default="q,k,v,o,gate,up,down",
+        help="projections the bench adapters adapt, comma separated",
+    )
+    offline.add_argument(
+        "--max-loras", type=int, default=None, help="engine adapter slots (default: max(N, 1))"
     )
     offline.set_defaults(handler=run_bench_offline)
     return parser
@@ -113,6 +134,7 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         for name, value in (
             ("max_num_seqs", args.max_num_seqs),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("max_loras", args.max_loras),
         )
         if value is not None
     }
@@ -126,6 +148,9 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         hf_batch_size=args.hf_batch_size,
         seed=args.seed,
         engine_options=engine_options,
+        adapters=args.adapters,
+        lora_rank=args.lora_rank,
+        lora_targets=args.lora_targets,
     )
     sys.stdout.write(bench.format_report(report))
     return 0

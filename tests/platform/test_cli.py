@@ -33,7 +33,7 @@ def test_bench_offline_arguments():
     )
     assert args.handler is cli.run_bench_offline
     assert (args.dtype, args.num_requests, args.baseline) == ("bfloat16", 8, "hf")
-    assert (args.prompt_len, args.output_len, args.hf_batch_size) == (128, 64, 16)
+    assert (args.prompt_len, args.output_len, args.hf_batch_size) == (128, 64, None)
     assert args.max_num_seqs is None
 
 

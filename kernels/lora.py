@@ -126,16 +126,61 @@ def torch_add_lora(
     batch: LoRABatch,
     num_slices: int = 1,
 ) -> None:
-    """CPU path: one shrink and one expand matmul per segment (SGMV in plain torch).
-    Decodes are segments too, since the runner sorts them by slot: on a CPU, gathering
-    each token's A and B (BGMV) costs more memory traffic than the base weights.
-    With `batch.slot_ranks`, only a slot's first num_slices * rank columns are read."""
+    """CPU path: segment-grouped matmuls (SGMV in plain torch). Decodes are segments
+    too, since the runner sorts them by slot: on a CPU, gathering each token's A and B
+    (BGMV) costs more memory traffic than the base weights.
+
+    Adjacent segments of equal length and width (round-robin decodes) run as one
+    batched shrink and one batched expand; a lone segment as two matmuls. With
+    `batch.slot_ranks`, only a slot's first num_slices * rank columns are read. The
+    stacks may be wider than x (fp32 slots for a bf16 model): x is widened and the
+    delta rounded once, when it is added."""
     ranks = batch.slot_ranks
     width = lora_a.shape[1]
-    for start, end, slot in batch.segments:
-        used = min(width, num_slices * ranks[slot]) if ranks is not None else width
-        y = _matmul_t(x[start:end], lora_a[slot, :used])
-        out[start:end] += _matmul_t(y, lora_b[slot, :, :used])
+    for group in _adjacent_equal_segments(batch.segments, ranks, num_slices, width):
+        first, last = group[0], group[-1]
+        used = _used_width(first[2], ranks, num_slices, width)
+        length = first[1] - first[0]
+        tokens = slice(first[0], last[1])
+        x_group = x[tokens].to(lora_a.dtype)
+        if len(group) == 1:
+            y = _matmul_t(x_group, lora_a[first[2], :used])
+            delta = _matmul_t(y, lora_b[first[2], :, :used])
+        else:
+            slots = torch.tensor([slot for _, _, slot in group], device=x.device)
+            a = lora_a.index_select(0, slots)[:, :used]
+            b = lora_b.index_select(0, slots)[:, :, :used]
+            x_batched = x_group.reshape(len(group), length, -1)
+            y = torch.bmm(x_batched, a.transpose(1, 2))
+            delta = torch.bmm(y, b.transpose(1, 2)).flatten(0, 1)
+        out[tokens] += delta.to(out.dtype)
+
+
+def _used_width(slot: int, ranks: tuple[int, ...] | None, num_slices: int, width: int) -> int:
+    return min(width, num_slices * ranks[slot]) if ranks is not None else width
+
+
+def _adjacent_equal_segments(
+    segments: tuple[tuple[int, int, int], ...],
+    ranks: tuple[int, ...] | None,
+    num_slices: int,
+    width: int,
+) -> list[list[tuple[int, int, int]]]:
+    """Segments grouped into runs that touch end to start and share length and width."""
+    groups: list[list[tuple[int, int, int]]] = []
+    for segment in segments:
+        if groups:
+            previous = groups[-1][-1]
+            if (
+                previous[1] == segment[0]
+                and previous[1] - previous[0] == segment[1] - segment[0]
+                and _used_width(previous[2], ranks, num_slices, width)
+                == _used_width(segment[2], ranks, num_slices, width)
+            ):
+                groups[-1].append(segment)
+                continue
+        groups.append([segment])
+    return groups
 
 
 def _matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

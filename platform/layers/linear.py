@@ -128,14 +128,19 @@ class MergedLinear(nn.Module):
         self.packed = PackedWeight.maybe(self.weight)
 
     def enable_lora(self, max_loras: int, max_rank: int, backend: str) -> LoRAStack:
-        """Allocates this projection's zeroed adapter slots."""
+        """Allocates this projection's zeroed adapter slots. On the torch path a half
+        precision model keeps its slots in fp32, as PEFT keeps adapter weights: tiny
+        fp32 matmuls cost less per call on a CPU, and the delta is rounded only once."""
+        dtype = self.weight.dtype
+        if backend == "torch" and dtype in (torch.bfloat16, torch.float16):
+            dtype = torch.float32
         self.lora = LoRAStack.allocate(
             max_loras,
             max_rank,
             self.in_features,
             self.out_features,
             len(self.output_sizes),
-            self.weight.dtype,
+            dtype,
             self.weight.device,
             backend,
         )

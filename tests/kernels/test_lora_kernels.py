@@ -325,3 +325,24 @@ def test_sgmv_segment_without_slot_is_inert() -> None:
     assert (y[:3] == 0).all()
     slots = torch.tensor([-1, -1, -1, 2, 2, 2], device=DEVICE)
     torch.testing.assert_close(y, reference_shrink(x, lora_a, slots), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_ranks", [False, True])
+def test_torch_path_with_fp32_slots_for_a_half_model(dtype: torch.dtype, with_ranks: bool) -> None:
+    """The engine keeps torch-path slots in fp32 for half models. Adjacent equal-length
+    segments (one batched matmul pair) and lone ones (two matmuls) both equal the
+    reference, with or without trimming each slot to its rank."""
+    lora_a, lora_b = make_weights(torch.float32)
+    slots = [0, 1, 2, 3] + [1, 1, 4, 4, 5, 5] + [2] * 5 + [-1, -1] + [3] * 3
+    ranks = SLOT_RANKS if with_ranks else None
+    batch = LoRABatch.from_token_slots(slots, 4, DEVICE, ranks)
+    x, out = make_activations(len(slots), IN_FEATURES, OUT_FEATURES, dtype)
+    expected = reference_expand(
+        reference_shrink(x, lora_a, batch.token_slots), lora_b, batch.token_slots, out
+    )
+    got = out.clone()
+    torch_add_lora(got, x, lora_a, lora_b, batch)
+    assert got.dtype == dtype
+    assert_close(got, expected, dtype)
+    assert torch.equal(got[batch.token_slots < 0], out[batch.token_slots < 0])

@@ -147,13 +147,23 @@ def torch_add_lora(
             y = _matmul_t(x_group, lora_a[first[2], :used])
             delta = _matmul_t(y, lora_b[first[2], :, :used])
         else:
-            slots = torch.tensor([slot for _, _, slot in group], device=x.device)
-            a = lora_a.index_select(0, slots)[:, :used]
-            b = lora_b.index_select(0, slots)[:, :, :used]
+            a, b = _group_weights(lora_a, lora_b, [slot for _, _, slot in group], used)
             x_batched = x_group.reshape(len(group), length, -1)
             y = torch.bmm(x_batched, a.transpose(1, 2))
             delta = torch.bmm(y, b.transpose(1, 2)).flatten(0, 1)
         out[tokens] += delta.to(out.dtype)
+
+
+def _group_weights(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, slots: list[int], used: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [n, used, in] and B [n, out, used] of `slots`: views when the slots are
+    consecutive (the usual case, decodes being sorted by slot), else gathered copies."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        rows = slice(slots[0], slots[0] + len(slots))
+        return lora_a[rows, :used], lora_b[rows, :, :used]
+    index = torch.tensor(slots, device=lora_a.device)
+    return lora_a.index_select(0, index)[:, :used], lora_b.index_select(0, index)[:, :, :used]
 
 
 def _used_width(slot: int, ranks: tuple[int, ...] | None, num_slices: int, width: int) -> int:

@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from loraplex.adapters.peft_format import SUPPORTED_MODULES
 from loraplex.platform.llm import LLM
 from loraplex.platform.request import SamplingParams
 
@@ -20,15 +21,7 @@ ADAPTERS = {
     "all8": dict(
         rank=8,
         alpha=16.0,
-        target_modules=(
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ),
+        target_modules=SUPPORTED_MODULES,
         seed=2,
     ),
     "mlp2rs": dict(

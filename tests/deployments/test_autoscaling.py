@@ -42,7 +42,9 @@ def scaling_app(serve_setup, tmp_path_factory):
                 "adapters": {"sa": str(serve_setup.shared["sa"])},
                 "server": {
                     "num_cpus": 0.1,
-                    "max_ongoing_requests": 4,
+                    # Above the load's concurrency: a busy holder would make Serve fall
+                    # back to another replica, which is its policy, not a routing miss.
+                    "max_ongoing_requests": 16,
                     "autoscaling_config": {
                         "min_replicas": 1,
                         "max_replicas": 2,

@@ -1,6 +1,6 @@
 """Batched multi-LoRA compute for one projection: every token of a step may use a
 different adapter. The torch path (CPU) lives here; Triton kernels sit in
-`triton_lora.py` and are picked on CUDA (see `lora_backend`).
+`triton_lora.py` and are picked on CUDA (see `kernels/selection.py`).
 
 Stacked weights of one projection (written by the adapter slot manager):
 
@@ -26,13 +26,10 @@ as segments of one slot (read by SGMV kernels for prefill and by the torch path)
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-BACKEND_ENV = "LORAPLEX_KERNEL_BACKEND"
 
 
 @dataclass(frozen=True)
@@ -225,16 +222,6 @@ def triton_add_lora(
 
 
 _BACKENDS = {"torch": torch_add_lora, "triton": triton_add_lora}
-
-
-def lora_backend(device: torch.device) -> str:
-    """'triton' on CUDA, 'torch' elsewhere; LORAPLEX_KERNEL_BACKEND=torch|triton forces one."""
-    forced = os.environ.get(BACKEND_ENV)
-    if forced:
-        if forced not in _BACKENDS:
-            raise ValueError(f"{BACKEND_ENV}={forced!r}; use one of {sorted(_BACKENDS)}")
-        return forced
-    return "triton" if device.type == "cuda" else "torch"
 
 
 def add_lora(

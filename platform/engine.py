@@ -12,7 +12,7 @@ import torch
 from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.slots import LoRASlots
 from loraplex.adapters.store import AdapterStore
-from loraplex.kernels.lora import lora_backend
+from loraplex.kernels.selection import kernel_backend
 from loraplex.platform.block_pool import BlockPool
 from loraplex.platform.config import CacheConfig, EngineConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
@@ -72,7 +72,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(folder, self.tokenizer)
         self.device = torch.device(config.model.device)
         torch.manual_seed(config.model.seed)
-        model, arch = load_model(folder, config.model.dtype, self.device)
+        self.kernel_backend = kernel_backend(self.device)
+        model, arch = load_model(folder, config.model.dtype, self.device, self.kernel_backend)
         self.arch = arch
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -99,7 +100,7 @@ class LLMEngine:
                 arch, lora.max_lora_rank, lora.max_cpu_loras, lora.adapter_root
             )
             lora_slots = LoRASlots(
-                model.lora_targets(), lora.max_loras, lora.max_lora_rank, lora_backend(self.device)
+                model.lora_targets(), lora.max_loras, lora.max_lora_rank, self.kernel_backend
             )
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache, self.max_model_len, lora.max_loras
@@ -107,12 +108,13 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_caches, cache.block_size, self.device, lora_slots)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         logger.info(
-            "engine ready in %.1fs: model=%s dtype=%s device=%s blocks=%d x %d tokens, "
+            "engine ready in %.1fs: model=%s dtype=%s device=%s kernels=%s blocks=%d x %d tokens, "
             "max_model_len=%d, lora slots=%d x rank %d (%.1f MiB)",
             time.monotonic() - started,
             config.model.model,
             config.model.dtype,
             self.device,
+            self.kernel_backend,
             num_blocks,
             cache.block_size,
             self.max_model_len,

@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loraplex.platform.layers.layer_kernels import get_layer_kernels
+
 
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), normalized in fp32 like HF.
 
     `forward(x, residual)` first adds `residual` to `x` and returns the sum as the
-    new residual stream, so decoder layers never materialize the add twice.
+    new residual stream, so decoder layers never materialize the add twice (the Triton
+    kernels do both in one pass).
     """
 
     def __init__(
@@ -19,20 +22,18 @@ class RMSNorm(nn.Module):
         eps: float,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        kernels: str = "torch",
     ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.kernels = get_layer_kernels(kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual: [T, hidden] -> (normed [T, hidden], new residual [T, hidden])."""
-        if residual is not None:
-            x = residual + x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype), x
+        return self.kernels.rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -21,7 +21,7 @@ from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.layers.attention import PagedAttention
 from loraplex.platform.layers.linear import Linear, MergedLinear, PackedWeight, linear
 from loraplex.platform.layers.norm import RMSNorm
-from loraplex.platform.layers.rotary import RotaryEmbedding, apply_rotary
+from loraplex.platform.layers.rotary import RotaryEmbedding
 from loraplex.platform.models.arch import ModelArch
 from loraplex.platform.models.weights import WeightTarget, load_checkpoint
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, device: torch.device, backend: str
+        self, arch: ModelArch, dtype: torch.dtype, device: torch.device, kernels: str
     ) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
@@ -42,7 +42,7 @@ class LlamaAttention(nn.Module):
             arch.hidden_size, (q_size, kv_size, kv_size), arch.qkv_bias, dtype, device
         )
         self.o_proj = Linear(q_size, arch.hidden_size, arch.o_bias, dtype, device)
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, kernels)
 
     def forward(
         self,
@@ -56,10 +56,10 @@ class LlamaAttention(nn.Module):
         """hidden [T, hidden], cos/sin [T, 1, Dh/2] -> [T, hidden]."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden, lora).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta), lora)
+        return self.o_proj(self.attn(q, k, v, cos, sin, kv_cache, meta), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -79,12 +79,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, device: torch.device, backend: str
+        self, arch: ModelArch, dtype: torch.dtype, device: torch.device, kernels: str
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(arch, dtype, device, backend)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        eps = arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps, dtype, device, kernels)
+        self.self_attn = LlamaAttention(arch, dtype, device, kernels)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, dtype, device, kernels)
         self.mlp = LlamaMLP(arch, dtype, device)
 
     def forward(
@@ -113,8 +114,9 @@ class LlamaForCausalLM(nn.Module):
         arch: ModelArch,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        attention_backend: str = "torch",
+        kernels: str = "torch",
     ) -> None:
+        """`kernels` names the LayerKernels implementation ('torch' or 'triton')."""
         super().__init__()
         device = torch.device(device)
         self.arch = arch
@@ -123,10 +125,9 @@ class LlamaForCausalLM(nn.Module):
             torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, device, attention_backend)
-            for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, dtype, device, kernels) for _ in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device, kernels)
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope, device
         )

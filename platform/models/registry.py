@@ -28,12 +28,12 @@ def model_class_for(architecture: str) -> type[nn.Module]:
 
 
 def load_model(
-    folder: str | Path, dtype: torch.dtype, device: torch.device | str
+    folder: str | Path, dtype: torch.dtype, device: torch.device | str, kernels: str = "torch"
 ) -> tuple[nn.Module, ModelArch]:
-    """Builds the model for `folder/config.json` on `device` in `dtype` and loads its
-    safetensors weights; returns (model in eval mode, arch)."""
+    """Builds the model for `folder/config.json` on `device` in `dtype` with the named
+    layer kernels and loads its safetensors weights; returns (model in eval mode, arch)."""
     arch = ModelArch.from_folder(folder)
-    model = model_class_for(arch.architecture)(arch, dtype, device)
+    model = model_class_for(arch.architecture)(arch, dtype, device, kernels)
     model.load_weights(folder)
     return model.eval(), arch
 

@@ -12,7 +12,7 @@ from loraplex.kernels.torch_paged_attention import (
     write_kv,
 )
 from loraplex.platform.attention_metadata import AttentionMetadata
-from loraplex.platform.layers.attention import get_attention_backend
+from loraplex.platform.layers.layer_kernels import get_layer_kernels
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -113,8 +113,10 @@ def test_write_kv_places_tokens_in_their_slots():
     assert int((cache != 0).any(-1).any(-1).sum()) == 6
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("num_decodes", [0, 3])
-def test_torch_backend_mixed_step_matches_reference(num_decodes):
+def test_layer_kernels_mixed_step_matches_reference(num_decodes, backend):
+    """A step of decodes then prefill chunks through each LayerKernels.attention."""
     gen = torch.Generator().manual_seed(3)
     num_heads, num_kv_heads = 4, 2
     decode_lens = [5, 8, 1][:num_decodes]
@@ -142,13 +144,12 @@ def test_torch_backend_mixed_step_matches_reference(num_decodes):
         prefill_seq_lens=prefill_lens,
         prefill_block_tables=pad(tables[num_decodes:]),
     )
-    backend = get_attention_backend("torch")
-    backend.write_kv(cache, k, v, meta.slot_mapping)
-    out = backend.forward(q, k, v, cache, meta, HEAD_DIM**-0.5)
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = get_layer_kernels(backend).attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
     expected = reference_paged_attention(q, cache, tables, all_lens, all_query, HEAD_DIM**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
 def test_unknown_backend_names_registered_ones():
     with pytest.raises(ValueError, match="torch"):
-        get_attention_backend("nope")
+        get_layer_kernels("nope")

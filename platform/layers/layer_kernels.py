@@ -1,0 +1,211 @@
+"""The per-layer kernels a decoder layer calls, behind one interface with a torch and a
+Triton implementation (picked per engine by `kernels/selection.py`).
+
+    rms_norm(x, residual, weight, eps) -> (normed, new residual)
+        x, residual [T, hidden]; see kernels/rms_norm.py for the exact roundings.
+    rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping) -> (q, k) rotated
+        q [T, H, Dh], k / v [T, Hkv, Dh], cos / sin [T, 1, Dh/2] in the model dtype;
+        also writes k (rotated) and v to their cache slots.
+    attention(q, k, v, kv_cache, meta, scale) -> out [T, H, Dh]
+        the step's tokens in the layout of attention_metadata.py; every token's K/V is
+        already in kv_cache [2, N, B, Hkv, Dh].
+
+Register another implementation with `@register_layer_kernels("name")`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from loraplex.kernels import torch_paged_attention as torch_attention
+from loraplex.platform.attention_metadata import AttentionMetadata
+from loraplex.platform.layers.rotary import apply_rotary
+
+
+class LayerKernels(Protocol):
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+_REGISTRY: dict[str, Callable[[], LayerKernels]] = {}
+_INSTANCES: dict[str, LayerKernels] = {}
+
+
+def register_layer_kernels(name: str) -> Callable[[type], type]:
+    """Class decorator: `get_layer_kernels(name)` builds (once) and returns this class."""
+
+    def register(cls: type) -> type:
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def get_layer_kernels(name: str) -> LayerKernels:
+    """The shared (stateless) instance for `name`; ValueError naming the registered ones."""
+    if name not in _INSTANCES:
+        try:
+            factory = _REGISTRY[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown kernel backend {name!r}; registered: {sorted(_REGISTRY)}"
+            ) from None
+        _INSTANCES[name] = factory()
+    return _INSTANCES[name]
+
+
+@register_layer_kernels("torch")
+class TorchLayerKernels:
+    """Plain torch ops: the CPU path (and the reference the Triton path must match)."""
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = residual + x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype), x
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        torch_attention.write_kv(kv_cache, k, v, slot_mapping)
+        return q, k
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Vectorized decodes, then SDPA over the prefill chunks (torch_paged_attention)."""
+        num_decodes = meta.num_decode_tokens
+        if meta.num_prefills == 0:
+            return torch_attention.decode_attention(
+                q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.cache
+            )
+        prefill_out = torch_attention.prefill_attention(
+            q[num_decodes:],
+            k[num_decodes:],
+            v[num_decodes:],
+            kv_cache,
+            meta.prefill_block_tables,
+            meta.prefill_query_lens,
+            meta.prefill_seq_lens,
+            scale,
+            meta.cache,
+        )
+        if num_decodes == 0:
+            return prefill_out
+        decode_out = torch_attention.decode_attention(
+            q[:num_decodes],
+            kv_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            meta.cache,
+        )
+        return torch.cat((decode_out, prefill_out), dim=0)
+
+
+@register_layer_kernels("triton")
+class TritonLayerKernels:
+    """Fused RMSNorm + residual, fused rotary + cache write, and paged attention that
+    reads K/V in place from the cache (kernels/rms_norm.py, rotary_kv.py,
+    paged_attention.py). Decodes and prefill chunks write into one output tensor."""
+
+    def __init__(self) -> None:
+        from loraplex.kernels import paged_attention, rms_norm, rotary_kv
+
+        self._attention = paged_attention
+        self._rms_norm = rms_norm.rms_norm
+        self._rotary_write_kv = rotary_kv.rotary_write_kv
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rms_norm(x, residual, weight, eps)
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._rotary_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), kv_cache, slot_mapping)
+        return q, k
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            self._attention.decode_attention(
+                q[:num_decodes],
+                kv_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                out=out[:num_decodes],
+                scratch=meta.cache,
+            )
+        if meta.num_prefills:
+            self._attention.prefill_attention(
+                q[num_decodes:],
+                kv_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_lens,
+                meta.prefill_seq_lens,
+                scale,
+                out=out[num_decodes:],
+                scratch=meta.cache,
+            )
+        return out

@@ -1,0 +1,155 @@
+"""Fused Triton RMSNorm (+ residual) and rotary + KV-cache write against their torch
+references and the engine's torch layers, under the interpreter off CUDA.
+
+Tolerances: fp32 1e-6 (same operations, fp32 rounding); fp16 / bf16 one ulp of values
+of order 1 (the kernels keep fp32 where the torch layers round an intermediate). The
+interpreter rounds fp32 -> bf16 toward zero where a GPU rounds to nearest even, and
+RMSNorm rounds three times (sum, normed, product): under it bf16 allows 2.5 ulps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.kernels.rms_norm import reference_rms_norm, rms_norm
+from loraplex.kernels.rotary_kv import reference_rotary_write_kv, rotary_write_kv
+from loraplex.kernels.torch_paged_attention import write_kv
+from loraplex.platform.layers.norm import RMSNorm
+from loraplex.platform.layers.rotary import apply_rotary
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCES = {
+    torch.float32: 1e-6,
+    torch.float16: 1e-3,
+    torch.bfloat16: 8e-3 if torch.cuda.is_available() else 2e-2,
+}
+DTYPES = list(TOLERANCES)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.cpu().float(), expected.cpu().float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [1, 48, 64, 100])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_matches_reference_and_the_torch_layer(dtype, hidden, with_residual):
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(5, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(5, hidden, generator=gen).to(dtype) if with_residual else None
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    out, new_residual = rms_norm(
+        x.to(DEVICE), None if residual is None else residual.to(DEVICE), weight.to(DEVICE), 1e-5
+    )
+    expected, expected_residual = reference_rms_norm(x, residual, weight, 1e-5)
+    close(out, expected, dtype)
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        close(new_residual, expected_residual, dtype)  # the interpreter truncates to bf16
+    else:
+        assert torch.equal(new_residual.cpu(), expected_residual)
+
+    layer = RMSNorm(hidden, 1e-5, dtype)
+    layer.weight.data.copy_(weight)
+    layer_out, _ = layer(x, residual)
+    close(out, layer_out, dtype)
+
+
+def test_rms_norm_reads_strided_rows_and_zero_rows():
+    x_wide = torch.randn(4, 40)
+    x = x_wide[:, :32]
+    residual = torch.randn(4, 32)
+    weight = torch.rand(32)
+    out, new_residual = rms_norm(x, residual, weight, 1e-6)
+    expected, expected_residual = reference_rms_norm(x, residual, weight, 1e-6)
+    close(out, expected, torch.float32)
+    close(new_residual, expected_residual, torch.float32)
+    empty_out, _ = rms_norm(torch.zeros(0, 32), None, weight, 1e-6)
+    assert empty_out.shape == (0, 32)
+    zero_out, _ = rms_norm(torch.zeros(2, 32), None, weight, 1e-6)
+    assert zero_out.eq(0).all()
+
+
+def rotary_case(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """A fused qkv output (q / k / v are strided views into it), per-token cos / sin, a
+    NaN cache and a slot per token (distinct, in shuffled blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    qkv = qkv.to(dtype)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen) * 50
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    num_blocks = -(-num_tokens // block_size) + 2
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    return qkv, cos, sin, cache.to(dtype), slots
+
+
+def split_qkv(qkv, num_heads, num_kv_heads, head_dim):
+    q, k, v = qkv.split(
+        (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=-1
+    )
+    t = qkv.shape[0]
+    return (
+        q.view(t, num_heads, head_dim),
+        k.view(t, num_kv_heads, head_dim),
+        v.view(t, num_kv_heads, head_dim),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "num_tokens,num_heads,num_kv_heads,head_dim,block_size",
+    [(1, 4, 2, 16, 16), (9, 6, 2, 24, 4), (17, 3, 3, 32, 8), (5, 8, 1, 10, 1)],
+)
+def test_rotary_write_kv_matches_reference_and_the_torch_layers(
+    dtype, num_tokens, num_heads, num_kv_heads, head_dim, block_size
+):
+    heads = (num_heads, num_kv_heads, head_dim)
+    qkv, cos, sin, cache, slots = rotary_case(num_tokens, *heads, block_size, dtype)
+    ref_qkv, ref_cache = qkv.clone(), cache.clone()
+    torch_qkv, torch_cache = qkv.clone(), cache.clone()
+    ref_q, ref_k = reference_rotary_write_kv(
+        *split_qkv(ref_qkv, *heads), cos, sin, ref_cache, slots
+    )
+
+    qkv_dev, cache_dev = qkv.to(DEVICE, copy=True), cache.to(DEVICE, copy=True)
+    q, k, v = split_qkv(qkv_dev, *heads)
+    rotary_write_kv(q, k, v, cos.to(DEVICE), sin.to(DEVICE), cache_dev, slots.to(DEVICE))
+    close(q, ref_q, dtype)
+    close(k, ref_k, dtype)
+    written = cache_dev.cpu().view(2, -1, num_kv_heads, head_dim)[:, slots]
+    close(written, ref_cache.view(2, -1, num_kv_heads, head_dim)[:, slots], dtype)
+    untouched = torch.ones(cache.shape[1] * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert cache_dev.cpu().view(2, -1, num_kv_heads, head_dim)[:, untouched].isnan().all()
+
+    # The engine's torch layers: apply_rotary (products rounded to the dtype) + write_kv.
+    torch_q, torch_k, torch_v = split_qkv(torch_qkv, *heads)
+    torch_q = apply_rotary(torch_q, cos[:, None], sin[:, None])
+    torch_k = apply_rotary(torch_k, cos[:, None], sin[:, None])
+    write_kv(torch_cache, torch_k, torch_v, slots)
+    close(q, torch_q, dtype)
+    close(written, torch_cache.view(2, -1, num_kv_heads, head_dim)[:, slots], dtype)
+
+
+def test_negative_slots_skip_the_cache_write():
+    heads = (2, 1, 8)
+    qkv, cos, sin, cache, slots = rotary_case(3, *heads, 4, torch.float32)
+    slots[1] = -1
+    q, k, v = split_qkv(qkv, *heads)
+    rotary_write_kv(q, k, v, cos, sin, cache, slots)
+    assert cache.view(2, -1, 1, 8)[:, slots[[0, 2]]].isfinite().all()
+    assert int(cache.isfinite().all(-1).all(-1).sum()) == 2 * 2
+
+
+def test_bad_shapes_are_refused():
+    heads = (2, 1, 8)
+    qkv, cos, sin, cache, slots = rotary_case(3, *heads, 4, torch.float32)
+    q, k, v = split_qkv(qkv, *heads)
+    with pytest.raises(ValueError, match="cos / sin"):
+        rotary_write_kv(q, k, v, cos[:2], sin[:2], cache, slots)
+    with pytest.raises(ValueError, match="kv_cache"):
+        rotary_write_kv(q, k, v, cos, sin, cache[:, :, :, :, :4], slots)
+    with pytest.raises(ValueError, match="hidden"):
+        rms_norm(torch.zeros(3), None, torch.ones(3), 1e-6)

@@ -10,10 +10,16 @@ Timing needs CUDA (`triton.testing.do_bench`, median of repeated runs). Without 
 command says so and exits 0: on a CPU the Triton kernels only run under the interpreter,
 whose timings measure Python, not the kernels.
 
-Bytes counted per kernel (es = element size of the model dtype, y is fp32):
-    shrink  x [T, in] read, A of each distinct slot used [R, in] read, y [T, R] written
-    expand  y [T, R] read, B of each distinct slot used [out, R] read, out [T, out] read
-            and written
+Bytes counted per kernel: the least traffic the operation needs (es = element size of
+the model dtype, y is fp32):
+    shrink   x [T, in] read, A of each distinct slot used [R, in] read, y [T, R] written
+    expand   y [T, R] read, B of each distinct slot used [out, R] read, out [T, out] read
+             and written
+    decode   every sequence's K and V [L, Hkv, Dh] read once, q and out [D, H, Dh]
+    prefill  every chunk's K and V [L, Hkv, Dh] read once, q and out [Tp, H, Dh]
+    rms_norm x and residual read, normed rows and new residual written [T, hidden]
+    rotary   q, k, v read, q and k written back, k and v written to the cache, cos / sin
+FLOPs: 4 * H * Dh per (query, visible key) pair for attention (q.K and P.V).
 """
 
 from __future__ import annotations
@@ -86,6 +92,12 @@ def register(
     return decorate
 
 
+def bench_device() -> torch.device:
+    """Where benchmarks allocate: the current CUDA device (tests point it at the CPU to
+    run each benchmark's code once under the Triton interpreter)."""
+    return torch.device("cuda")
+
+
 def time_ms(fn: Callable[[], object]) -> float:
     """Median milliseconds of fn() on the current CUDA device."""
     import triton.testing
@@ -115,7 +127,7 @@ def bench_lora(args: argparse.Namespace) -> list[Measurement]:
     from loraplex.kernels import triton_lora
     from loraplex.kernels.lora import LoRABatch, torch_add_lora, triton_add_lora
 
-    device = torch.device("cuda")
+    device = bench_device()
     dtype = DTYPES[args.dtype]
     es = torch.empty((), dtype=dtype).element_size()
     k_dim, n_dim, rank, num_slots = args.lora_in, args.lora_out, args.lora_rank, args.lora_slots
@@ -209,6 +221,226 @@ def bench_lora(args: argparse.Namespace) -> list[Measurement]:
             )
         )
     return results
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _attention_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("attention")
+    group.add_argument("--heads", type=int, default=32, help="H, query heads")
+    group.add_argument("--kv-heads", type=int, default=8, help="Hkv, kv heads")
+    group.add_argument("--head-dim", type=int, default=128)
+    group.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    group.add_argument("--batch", type=int, default=64, help="decode sequences")
+    group.add_argument("--context", type=int, default=1024, help="tokens per decode sequence")
+    group.add_argument("--chunks", type=int, default=4, help="prefill chunks")
+    group.add_argument("--chunk-len", type=int, default=512, help="new tokens per chunk")
+    group.add_argument("--prefix-len", type=int, default=512, help="cached tokens per chunk")
+
+
+def _paged_layout(
+    seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random cache holding the sequences in shuffled blocks, and their block tables."""
+    device = bench_device()
+    counts = [-(-length // block_size) for length in seq_lens]
+    num_blocks = sum(counts)
+    order = torch.randperm(num_blocks, device=device)
+    width = max(counts)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32, device=device)
+    start = 0
+    for row, count in enumerate(counts):
+        tables[row, :count] = order[start : start + count]
+        start += count
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.randn(shape, device=device, dtype=dtype), tables
+
+
+@register("attention", _attention_arguments)
+def bench_attention(args: argparse.Namespace) -> list[Measurement]:
+    """Decode (batch x context) and prefill (chunks after a cached prefix) through the
+    Triton kernels, then the torch path on the same inputs for comparison."""
+    from loraplex.kernels import paged_attention, torch_paged_attention
+
+    device = bench_device()
+    dtype = DTYPES[args.dtype]
+    es = torch.empty((), dtype=dtype).element_size()
+    heads, kv_heads, head_dim = args.heads, args.kv_heads, args.head_dim
+    scale = head_dim**-0.5
+    results = []
+
+    lens = [args.context] * args.batch
+    cache, tables = _paged_layout(lens, args.block_size, kv_heads, head_dim, dtype)
+    seq_lens = torch.tensor(lens, device=device)
+    q = torch.randn(args.batch, heads, head_dim, device=device, dtype=dtype)
+    out = torch.empty_like(q)
+    scratch: dict[str, torch.Tensor] = {}
+    kv_bytes = 2 * sum(lens) * kv_heads * head_dim * es
+    decode_bytes = kv_bytes + 2 * q.numel() * es
+    decode_flops = 4 * heads * head_dim * sum(lens)
+    shape = (
+        f"D={args.batch} L={args.context} H={heads}/{kv_heads} Dh={head_dim} B={args.block_size}"
+    )
+    results.append(
+        Measurement(
+            "decode triton",
+            shape,
+            time_ms(
+                lambda: paged_attention.decode_attention(
+                    q, cache, tables, seq_lens, scale, out=out, scratch=scratch
+                )
+            ),
+            decode_bytes,
+            decode_flops,
+        )
+    )
+    tables64 = tables.long()
+    results.append(
+        Measurement(
+            "decode torch",
+            shape,
+            time_ms(
+                lambda: torch_paged_attention.decode_attention(
+                    q, cache, tables64, seq_lens, scale, {}
+                )
+            ),
+            decode_bytes,
+            decode_flops,
+        )
+    )
+
+    query_lens = [args.chunk_len] * args.chunks
+    lens = [args.prefix_len + args.chunk_len] * args.chunks
+    cache, tables = _paged_layout(lens, args.block_size, kv_heads, head_dim, dtype)
+    q = torch.randn(sum(query_lens), heads, head_dim, device=device, dtype=dtype)
+    out = torch.empty_like(q)
+    visible = sum(
+        q_len * (length - q_len) + q_len * (q_len + 1) // 2
+        for q_len, length in zip(query_lens, lens, strict=True)
+    )
+    prefill_bytes = 2 * sum(lens) * kv_heads * head_dim * es + 2 * q.numel() * es
+    prefill_flops = 4 * heads * head_dim * visible
+    shape = (
+        f"P={args.chunks}x{args.chunk_len} after {args.prefix_len} H={heads}/{kv_heads} "
+        f"Dh={head_dim} B={args.block_size}"
+    )
+    results.append(
+        Measurement(
+            "prefill triton",
+            shape,
+            time_ms(
+                lambda: paged_attention.prefill_attention(
+                    q, cache, tables, query_lens, lens, scale, out=out, scratch={}
+                )
+            ),
+            prefill_bytes,
+            prefill_flops,
+        )
+    )
+    k = torch.randn(sum(query_lens), kv_heads, head_dim, device=device, dtype=dtype)
+    tables64 = tables.long()
+    results.append(
+        Measurement(
+            "prefill torch",
+            shape,
+            time_ms(
+                lambda: torch_paged_attention.prefill_attention(
+                    q, k, k, cache, tables64, query_lens, lens, scale, {}
+                )
+            ),
+            prefill_bytes,
+            prefill_flops,
+        )
+    )
+    return results
+
+
+# ----------------------------------------------------------------------------- fused layers
+
+
+def _layer_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("rms_norm / rotary")
+    group.add_argument("--tokens", type=int, default=4096, help="T, tokens in the step")
+    group.add_argument("--hidden", type=int, default=4096, help="hidden size (RMSNorm)")
+
+
+@register("rms_norm", _layer_arguments)
+def bench_rms_norm(args: argparse.Namespace) -> list[Measurement]:
+    """Fused RMSNorm + residual add against the torch ops it replaces."""
+    from loraplex.kernels.rms_norm import reference_rms_norm, rms_norm
+
+    device = bench_device()
+    dtype = DTYPES[args.dtype]
+    es = torch.empty((), dtype=dtype).element_size()
+    x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
+    residual = torch.randn_like(x)
+    weight = torch.randn(args.hidden, device=device, dtype=dtype)
+    shape = f"T={args.tokens} hidden={args.hidden}"
+    traffic = 4 * x.numel() * es
+    flops = 4 * x.numel()
+    return [
+        Measurement(
+            "rms_norm triton",
+            shape,
+            time_ms(lambda: rms_norm(x, residual, weight, 1e-6)),
+            traffic,
+            flops,
+        ),
+        Measurement(
+            "rms_norm torch",
+            shape,
+            time_ms(lambda: reference_rms_norm(x, residual, weight, 1e-6)),
+            traffic,
+            flops,
+        ),
+    ]
+
+
+@register("rotary")  # reads --tokens and the attention group's head shapes
+def bench_rotary(args: argparse.Namespace) -> list[Measurement]:
+    """Fused rotary + KV-cache write (Llama-8B heads) against apply_rotary + write_kv."""
+    from loraplex.kernels.rotary_kv import rotary_write_kv
+    from loraplex.kernels.torch_paged_attention import write_kv
+    from loraplex.platform.layers.rotary import apply_rotary
+
+    device = bench_device()
+    dtype = DTYPES[args.dtype]
+    es = torch.empty((), dtype=dtype).element_size()
+    heads, kv_heads, head_dim, block = args.heads, args.kv_heads, args.head_dim, args.block_size
+    tokens = args.tokens
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, device=device, dtype=dtype)
+    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2, device=device) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    cache = torch.empty(
+        2, -(-tokens // block), block, kv_heads, head_dim, device=device, dtype=dtype
+    )
+    slots = torch.randperm(cache.shape[1] * block, device=device)[:tokens]
+    traffic = (2 * tokens * (heads + kv_heads) + 2 * tokens * kv_heads) * head_dim * es
+    traffic += 2 * cos.numel() * es + 2 * tokens * kv_heads * head_dim * es
+    flops = 6 * tokens * (heads + kv_heads) * head_dim // 2
+    shape = f"T={tokens} H={heads}/{kv_heads} Dh={head_dim} B={block}"
+
+    def torch_path() -> torch.Tensor:
+        rotated_k = apply_rotary(k, cos[:, None], sin[:, None])
+        write_kv(cache, rotated_k, v, slots)
+        return apply_rotary(q, cos[:, None], sin[:, None])
+
+    return [
+        Measurement(
+            "rotary+write triton",
+            shape,
+            time_ms(lambda: rotary_write_kv(q, k, v, cos, sin, cache, slots)),
+            traffic,
+            flops,
+        ),
+        Measurement("rotary+write torch", shape, time_ms(torch_path), traffic, flops),
+    ]
 
 
 # ----------------------------------------------------------------------------- CLI

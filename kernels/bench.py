@@ -253,7 +253,7 @@ def _paged_layout(
     for row, count in enumerate(counts):
         tables[row, :count] = order[start : start + count]
         start += count
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
     return torch.randn(shape, device=device, dtype=dtype), tables
 
 
@@ -418,7 +418,7 @@ def bench_rotary(args: argparse.Namespace) -> list[Measurement]:
     angles = torch.rand(tokens, head_dim // 2, device=device) * 100
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     cache = torch.empty(
-        2, -(-tokens // block), block, kv_heads, head_dim, device=device, dtype=dtype
+        2, -(-tokens // block), kv_heads, block, head_dim, device=device, dtype=dtype
     )
     slots = torch.randperm(cache.shape[1] * block, device=device)[:tokens]
     traffic = (2 * tokens * (heads + kv_heads) + 2 * tokens * kv_heads) * head_dim * es

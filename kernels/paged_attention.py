@@ -3,8 +3,9 @@
 Layouts are those of the torch path (`torch_paged_attention.py`, whose
 `reference_paged_attention` is the oracle both paths are tested against):
 
-    kv_cache      [2, N, B, Hkv, Dh]   0 = K, 1 = V; token p of a sequence with block
+    kv_cache      [2, N, Hkv, B, Dh]   0 = K, 1 = V; token p of a sequence with block
                                        table `table` sits in block table[p // B], row p % B
+                                       (read through strides: any layout of N, Hkv, B works)
     block_tables  [S, W] int           block ids (entries past a sequence's end are never read)
     q             [T, H, Dh]           any strides (e.g. a view into the fused qkv output)
     H = Hkv * G                        query head h reads kv head h // G (GQA)
@@ -295,9 +296,9 @@ def _dot_settings(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
 def _check_cache(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
     """(block size, kv heads, query heads per kv head) after checking shapes and strides."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache must be [2, N, B, Hkv, Dh], got {tuple(kv_cache.shape)}")
+        raise ValueError(f"kv_cache must be [2, N, Hkv, B, Dh], got {tuple(kv_cache.shape)}")
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[2]
     if kv_cache.shape[4] != head_dim or num_heads % num_kv_heads:
         raise ValueError(
             f"q [T, {num_heads}, {head_dim}] does not fit kv_cache {tuple(kv_cache.shape)}"
@@ -306,7 +307,7 @@ def _check_cache(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int
         raise ValueError("q and kv_cache need a contiguous last (head_dim) dimension")
     if q.dtype != kv_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the cache is {kv_cache.dtype}")
-    return kv_cache.shape[2], num_kv_heads, num_heads // num_kv_heads
+    return kv_cache.shape[3], num_kv_heads, num_heads // num_kv_heads
 
 
 def decode_partition_size(
@@ -337,7 +338,7 @@ def decode_attention(
     """Semantics: out[d, h] = softmax(scale * q[d, h] . K_d[:, h // G]) @ V_d[:, h // G]
     over the keys 0 .. seq_lens[d] - 1 of sequence d (the torch path's contract).
 
-    q [D, H, Dh]; kv_cache [2, N, B, Hkv, Dh]; block_tables [D, W] int32/int64;
+    q [D, H, Dh]; kv_cache [2, N, Hkv, B, Dh]; block_tables [D, W] int32/int64;
     seq_lens [D] int with 1 <= seq_lens[d] <= W * B; out [D, H, Dh] (allocated if None).
     `partition_size` (a multiple of the key tile) forces split-K; None picks one.
     `scratch` (the step's AttentionMetadata.cache) keeps the split-K partials across layers.
@@ -377,8 +378,8 @@ def decode_attention(
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
-        k_cache.stride(1),
         k_cache.stride(2),
+        k_cache.stride(1),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -457,7 +458,7 @@ def prefill_attention(
         out[i, h] = softmax(scale * q[i, h] . K_p[0..a, h // G]) @ V_p[0..a, h // G]
 
     q [Tp, H, Dh] holds the chunks' queries back to back (Tp = sum(query_lens)); every
-    key 0 .. L-1 of each chunk, its own included, is already in kv_cache [2, N, B, Hkv, Dh];
+    key 0 .. L-1 of each chunk, its own included, is already in kv_cache [2, N, Hkv, B, Dh];
     block_tables [P, W] int -> out [Tp, H, Dh] (allocated if None). `scratch` keeps the
     per-step device copies of the chunk offsets and lengths across layers.
     """
@@ -489,8 +490,8 @@ def prefill_attention(
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
-        k_cache.stride(1),
         k_cache.stride(2),
+        k_cache.stride(1),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),

@@ -6,10 +6,10 @@ cos / sin = cos[t] / sin[t] ([Dh/2], in the model dtype), halves x1 = x[..., :Dh
 x2 = x[..., Dh/2:], and s = slot_mapping[t]:
     rot(x) = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)   computed in fp32, stored in dtype
     q[t] <- rot(q[t]);  k[t] <- rot(k[t])                    (in place, every head)
-    kv_cache[0, s // B, s % B] = k[t];  kv_cache[1, s // B, s % B] = v[t]   (s >= 0 only)
+    kv_cache[0, s // B, :, s % B] = k[t];  kv_cache[1, s // B, :, s % B] = v[t]   (s >= 0 only)
 
 Shapes: q [T, H, Dh], k / v [T, Hkv, Dh] (any token and head strides, contiguous Dh,
-e.g. views into the fused qkv output), cos / sin [T, Dh/2], kv_cache [2, N, B, Hkv, Dh],
+e.g. views into the fused qkv output), cos / sin [T, Dh/2], kv_cache [2, N, Hkv, B, Dh],
 slot_mapping [T] int. A negative slot skips the cache write (padding tokens).
 
 Against the torch path (which rounds each product to the dtype): fp32 agrees to
@@ -41,9 +41,11 @@ def reference_rotary_write_kv(
 
     q_rot, k_rot = rotate(q), rotate(k)
     keep = slot_mapping >= 0
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-    flat[0, slot_mapping[keep]] = k_rot[keep]
-    flat[1, slot_mapping[keep]] = v[keep]
+    slots = slot_mapping[keep]
+    block_size = kv_cache.shape[3]
+    blocks, rows = slots // block_size, slots % block_size
+    kv_cache[0].transpose(1, 2)[blocks, rows] = k_rot[keep]
+    kv_cache[1].transpose(1, 2)[blocks, rows] = v[keep]
     return q_rot, k_rot
 
 
@@ -151,9 +153,9 @@ def rotary_write_kv(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need [T, H, Dh] and "
             "[T, Hkv, Dh] with an even Dh"
         )
-    if kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
+    if kv_cache.shape[0] != 2 or (kv_cache.shape[2], kv_cache.shape[4]) != (num_kv_heads, head_dim):
         raise ValueError(
-            f"kv_cache {tuple(kv_cache.shape)} does not hold [*, {num_kv_heads}, {head_dim}]"
+            f"kv_cache {tuple(kv_cache.shape)} is not [2, N, {num_kv_heads}, B, {head_dim}]"
         )
     if cos.shape != (num_tokens, head_dim // 2) or sin.shape != cos.shape:
         raise ValueError(
@@ -185,9 +187,9 @@ def rotary_write_kv(
         cos.stride(0),
         sin.stride(0),
         k_cache.stride(0),
-        k_cache.stride(1),
         k_cache.stride(2),
-        BLOCK_SIZE=kv_cache.shape[2],
+        k_cache.stride(1),
+        BLOCK_SIZE=kv_cache.shape[3],
         HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=triton.next_power_of_2(num_heads),

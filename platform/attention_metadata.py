@@ -12,8 +12,8 @@ or earlier chunks) already sits in the cache. Every token's K/V is written to
 `slot_mapping[t] = block_id * block_size + offset` before attention reads the cache,
 so attention always reads keys 0 .. seq_len-1 of a sequence from its block table.
 
-KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
-(index 0 holds K, 1 holds V).
+KV cache of one layer: a tensor [2, num_blocks, num_kv_heads, block_size, head_dim]
+(index 0 holds K, 1 holds V; head-major inside a block, see torch_paged_attention.py).
 """
 
 from __future__ import annotations

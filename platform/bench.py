@@ -194,16 +194,14 @@ def run_engine(
     *,
     name: str = "loraplex",
     adapters: Sequence[str | None] | None = None,
-    warmup_prompts: Sequence[Sequence[int]] | None = None,
+    warmup_prompts: Sequence[Sequence[int]],
     warmup_adapter: str | None = None,
 ) -> RunResult:
     """Warms the engine up on a few short requests (untimed), then times the workload.
 
     `adapters` gives each request's adapter (None: all on the base model); the warm-up
-    requests use `warmup_adapter`. `warmup_prompts` defaults to the workload's first
-    `WARMUP_REQUESTS` prompts."""
-    if warmup_prompts is None:
-        warmup_prompts = workload.prompts[:WARMUP_REQUESTS]
+    requests use `warmup_adapter`. `warmup_prompts` must not be workload prompts: those
+    would leave prefix-cache hits for the timed run."""
     warmup_prompts = list(warmup_prompts)
     warmup_params = fixed_length_params(min(WARMUP_TOKENS, workload.output_len))
     if adapters is None:
@@ -346,7 +344,7 @@ def make_bench_adapters(
 
 
 def warmup_request_count(token_budget: int, prompt_len: int, num_requests: int) -> int:
-    """Warm-up requests for the bench with adapters: enough prompts to fill one step's
+    """Warm-up requests for the engine runs: enough prompts to fill one step's
     token budget (at most the workload's size), so the process's first full-size step,
     which is much slower than later ones (first use of its large activation buffers),
     is not timed in whichever run goes first."""
@@ -472,7 +470,10 @@ def run_offline_bench(
     llm = LLM(model=str(folder), dtype=torch_dtype, seed=seed, **(engine_options or {}))
     pool = normal_token_ids(llm.tokenizer, model_vocab_size(folder))
     report.workload = build_workload(pool, num_requests, prompt_len, output_len, seed)
-    report.results.append(run_engine(llm, report.workload, use_tqdm))
+    budget = llm.engine.config.scheduler.max_num_batched_tokens
+    count = warmup_request_count(budget, prompt_len, num_requests)
+    warmup = build_workload(pool, count, prompt_len, output_len, seed + 1)
+    report.results.append(run_engine(llm, report.workload, use_tqdm, warmup_prompts=warmup.prompts))
     del llm
     if baseline == "hf":
         report.results.append(run_hf(folder, report.workload, torch_dtype, hf_batch_size, use_tqdm))

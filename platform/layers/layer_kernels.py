@@ -8,7 +8,7 @@ Triton implementation (picked per engine by `kernels/selection.py`).
         also writes k (rotated) and v to their cache slots.
     attention(q, k, v, kv_cache, meta, scale) -> out [T, H, Dh]
         the step's tokens in the layout of attention_metadata.py; every token's K/V is
-        already in kv_cache [2, N, B, Hkv, Dh].
+        already in kv_cache [2, N, Hkv, B, Dh].
 
 Register another implementation with `@register_layer_kernels("name")`.
 """

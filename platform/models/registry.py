@@ -45,7 +45,7 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer
+    """One zeroed [2, num_blocks, num_kv_heads, block_size, head_dim] tensor per layer
     (zeros, so padded reads of never-written slots stay finite)."""
-    shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    shape = (2, num_blocks, arch.num_kv_heads, block_size, arch.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]

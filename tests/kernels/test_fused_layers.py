@@ -14,7 +14,7 @@ import torch
 
 from loraplex.kernels.rms_norm import reference_rms_norm, rms_norm
 from loraplex.kernels.rotary_kv import reference_rotary_write_kv, rotary_write_kv
-from loraplex.kernels.torch_paged_attention import write_kv
+from loraplex.kernels.torch_paged_attention import read_slots, write_kv
 from loraplex.platform.layers.norm import RMSNorm
 from loraplex.platform.layers.rotary import apply_rotary
 
@@ -80,7 +80,7 @@ def rotary_case(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype
     angles = torch.rand(num_tokens, head_dim // 2, generator=gen) * 50
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     num_blocks = -(-num_tokens // block_size) + 2
-    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    cache = torch.full((2, num_blocks, num_kv_heads, block_size, head_dim), float("nan"))
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     return qkv, cos, sin, cache.to(dtype), slots
 
@@ -118,11 +118,12 @@ def test_rotary_write_kv_matches_reference_and_the_torch_layers(
     rotary_write_kv(q, k, v, cos.to(DEVICE), sin.to(DEVICE), cache_dev, slots.to(DEVICE))
     close(q, ref_q, dtype)
     close(k, ref_k, dtype)
-    written = cache_dev.cpu().view(2, -1, num_kv_heads, head_dim)[:, slots]
-    close(written, ref_cache.view(2, -1, num_kv_heads, head_dim)[:, slots], dtype)
+    written = read_slots(cache_dev.cpu(), slots)
+    close(written, read_slots(ref_cache, slots), dtype)
     untouched = torch.ones(cache.shape[1] * block_size, dtype=torch.bool)
     untouched[slots] = False
-    assert cache_dev.cpu().view(2, -1, num_kv_heads, head_dim)[:, untouched].isnan().all()
+    all_slots = torch.arange(cache.shape[1] * block_size)
+    assert read_slots(cache_dev.cpu(), all_slots[untouched]).isnan().all()
 
     # The engine's torch layers: apply_rotary (products rounded to the dtype) + write_kv.
     torch_q, torch_k, torch_v = split_qkv(torch_qkv, *heads)
@@ -130,7 +131,7 @@ def test_rotary_write_kv_matches_reference_and_the_torch_layers(
     torch_k = apply_rotary(torch_k, cos[:, None], sin[:, None])
     write_kv(torch_cache, torch_k, torch_v, slots)
     close(q, torch_q, dtype)
-    close(written, torch_cache.view(2, -1, num_kv_heads, head_dim)[:, slots], dtype)
+    close(written, read_slots(torch_cache, slots), dtype)
 
 
 def test_negative_slots_skip_the_cache_write():
@@ -139,8 +140,8 @@ def test_negative_slots_skip_the_cache_write():
     slots[1] = -1
     q, k, v = split_qkv(qkv, *heads)
     rotary_write_kv(q, k, v, cos, sin, cache, slots)
-    assert cache.view(2, -1, 1, 8)[:, slots[[0, 2]]].isfinite().all()
-    assert int(cache.isfinite().all(-1).all(-1).sum()) == 2 * 2
+    assert read_slots(cache, slots[[0, 2]]).isfinite().all()
+    assert int(cache.isfinite().all(-1).all(2).sum()) == 2 * 2  # K and V of two tokens
 
 
 def test_bad_shapes_are_refused():

@@ -45,11 +45,11 @@ class PagedLayout:
         for count in counts:
             self.tables.append(pool[:count])
             pool = pool[count:]
-        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
         cache = torch.full(shape, float("nan"))
         for table, length in zip(self.tables, seq_lens, strict=True):
             for p in range(length):
-                cache[:, table[p // block_size], p % block_size] = torch.randn(
+                cache[:, table[p // block_size], :, p % block_size] = torch.randn(
                     2, num_kv_heads, head_dim, generator=gen
                 )
         self.cache = cache.to(dtype)
@@ -156,7 +156,7 @@ def test_prefill_matches_reference(case, dtype):
 
 
 def test_empty_batches_return_empty_outputs():
-    cache = torch.zeros(2, 2, 4, 1, 16)
+    cache = torch.zeros(2, 2, 1, 4, 16)
     q = torch.zeros(0, 2, 16)
     tables = torch.zeros(0, 1, dtype=torch.int64)
     assert triton_attention.decode_attention(q, cache, tables, torch.zeros(0), 1.0).shape == q.shape
@@ -164,7 +164,7 @@ def test_empty_batches_return_empty_outputs():
 
 
 def test_mismatched_shapes_and_dtypes_are_refused():
-    cache = torch.zeros(2, 2, 4, 2, 16)
+    cache = torch.zeros(2, 2, 2, 4, 16)
     tables = torch.zeros(1, 1, dtype=torch.int64)
     lens = torch.ones(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="does not fit"):

@@ -8,6 +8,7 @@ import torch
 from loraplex.kernels.torch_paged_attention import (
     decode_attention,
     prefill_attention,
+    read_slots,
     reference_paged_attention,
     write_kv,
 )
@@ -38,7 +39,7 @@ def pad(tables: list[list[int]]) -> torch.Tensor:
 
 
 def random_cache(num_kv_heads: int, dtype: torch.dtype, generator: torch.Generator):
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    shape = (2, NUM_BLOCKS, num_kv_heads, BLOCK_SIZE, HEAD_DIM)
     return torch.randn(shape, generator=generator).to(dtype)
 
 
@@ -94,8 +95,7 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, dtype, layout):
         for table, q_len, seq_len in zip(tables, query_lens, seq_lens, strict=True)
         for s in slots_of(table, range(seq_len - q_len, seq_len))
     ]
-    flat = cache.view(2, -1, num_kv_heads, HEAD_DIM)
-    k, v = flat[0, new_slots], flat[1, new_slots]
+    k, v = read_slots(cache, torch.tensor(new_slots))
     scale = HEAD_DIM**-0.5
     out = prefill_attention(q, k, v, cache, pad(tables), query_lens, seq_lens, scale, {})
     expected = reference_paged_attention(q, cache, tables, seq_lens, query_lens, scale)
@@ -103,14 +103,15 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, dtype, layout):
 
 
 def test_write_kv_places_tokens_in_their_slots():
-    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, HEAD_DIM)
+    cache = torch.zeros(2, NUM_BLOCKS, 2, BLOCK_SIZE, HEAD_DIM)
     k, v = torch.randn(3, 2, HEAD_DIM), torch.randn(3, 2, HEAD_DIM)
     slots = torch.tensor([4 * 7 + 3, 0, 4 * 39 + 1])
     write_kv(cache, k, v, slots)
     for t, (block, offset) in enumerate([(7, 3), (0, 0), (39, 1)]):
-        assert torch.equal(cache[0, block, offset], k[t])
-        assert torch.equal(cache[1, block, offset], v[t])
-    assert int((cache != 0).any(-1).any(-1).sum()) == 6
+        assert torch.equal(cache[0, block, :, offset], k[t])
+        assert torch.equal(cache[1, block, :, offset], v[t])
+    assert torch.equal(read_slots(cache, slots), torch.stack((k, v)))
+    assert int((cache != 0).any(-1).any(2).sum()) == 6  # K and V rows of three tokens
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -101,8 +101,10 @@ def test_run_engine_warms_up_then_times_the_workload():
 
     llm = FakeLLM()
     workload = bench.build_workload(range(100), 6, 4, 9)
-    result = bench.run_engine(llm, workload, use_tqdm=False)
-    assert llm.calls == [(bench.WARMUP_REQUESTS, bench.WARMUP_TOKENS), (6, 9)]
+    warmup = bench.build_workload(range(100), 3, 4, 9, seed=1)
+    assert not set(map(tuple, warmup.prompts)) & set(map(tuple, workload.prompts))
+    result = bench.run_engine(llm, workload, use_tqdm=False, warmup_prompts=warmup.prompts)
+    assert llm.calls == [(3, bench.WARMUP_TOKENS), (6, 9)]
     assert result.output_tokens == 54 and result.tokens_per_s > 0
 
 

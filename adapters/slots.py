@@ -98,8 +98,9 @@ class LoRASlots:
             stack = module.lora
             start, size = module.offsets[index], module.output_sizes[index]
             cols = slice(index * rank, index * rank + weights.rank)
-            stack.a[slot, cols].copy_(weights.a)
-            stack.b[slot, start : start + size, cols].copy_(weights.b)
+            a, b = module.lora_shard(index, weights.a, weights.b)
+            stack.a[slot, cols].copy_(a)
+            stack.b[slot, start : start + size, cols].copy_(b)
         self._adapters[slot] = adapter
         self._slot_of[adapter.key] = slot
         elapsed = time.perf_counter() - started

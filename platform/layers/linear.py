@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import nn
 
 from loraplex.kernels.lora import LoRABatch, add_lora
 from loraplex.platform.layers.lora import LoRAStack
+from loraplex.platform.parallel.group import TPGroup
 
 
 @functools.cache
@@ -79,6 +81,11 @@ class MergedLinear(nn.Module):
 
     Shapes: x [T, in_features] -> y [T, sum(output_sizes)]; slice i of y is
     y[:, offsets[i]:offsets[i] + output_sizes[i]].
+
+    Column-parallel under tensor parallelism: slice i holds rows
+    `row_ranges[i] = (start, size)` of the checkpoint's tensor i (default: all of them),
+    so `output_sizes` are this rank's sizes. Its LoRA slots keep A whole and B's rows
+    of the same ranges, so each rank computes its own output columns exactly.
     """
 
     def __init__(
@@ -88,10 +95,18 @@ class MergedLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        row_ranges: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
-        self.output_sizes = tuple(int(n) for n in output_sizes)
+        self.full_sizes = tuple(int(n) for n in output_sizes)
+        """Each slice's row count in the checkpoint (all ranks together)."""
+        if row_ranges is None:
+            row_ranges = [(0, n) for n in self.full_sizes]
+        self.row_ranges = tuple((int(a), int(n)) for a, n in row_ranges)
+        if len(self.row_ranges) != len(output_sizes):
+            raise ValueError(f"{len(output_sizes)} slices but {len(self.row_ranges)} row ranges")
+        self.output_sizes = tuple(n for _, n in self.row_ranges)
         self.out_features = sum(self.output_sizes)
         shape = (self.out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
@@ -114,14 +129,16 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out]; adds each token's adapter delta when `lora` is given."""
-        if self.packed is not None:
-            out = self.packed(x, self.bias)
-        else:
-            out = linear(x, self.weight, self.bias)
+        out = self._matmul(x, self.bias)
         if lora is not None and self.lora is not None:
             stack = self.lora
             add_lora(out, x, stack.a, stack.b, lora, stack.backend, stack.num_slices)
         return out
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x, bias)
+        return linear(x, self.weight, bias)
 
     def pack(self) -> None:
         """Prepacks the loaded weight for oneDNN where that is faster (CPU only)."""
@@ -146,25 +163,34 @@ class MergedLinear(nn.Module):
         )
         return self.lora
 
+    def lora_shard(
+        self, index: int, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of slice `index`'s adapter A [r, in] and B [out_i, r]."""
+        start, size = self.row_ranges[index]
+        return a, b[start : start + size]
+
     @torch.no_grad()
-    def load_slice(self, index: int, name: str, tensor: torch.Tensor) -> None:
-        """Copies a checkpoint tensor into slice `index` of `weight` or `bias` (`name`)."""
+    def load_slice(self, index: int, name: str, tensor: CheckpointSlice) -> None:
+        """Copies this rank's rows of checkpoint tensor `index` into `weight` or `bias`."""
         target = self.weight if name == "weight" else self.bias
         if target is None:
             raise ValueError(f"{type(self).__name__} has no {name}")
         start, size = self.offsets[index], self.output_sizes[index]
-        part = target[start : start + size]
-        if tuple(part.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"shape mismatch for {name} slice {index}: checkpoint {tuple(tensor.shape)}, "
-                f"expected {tuple(part.shape)}"
-            )
-        part.copy_(tensor)
+        row_start = self.row_ranges[index][0]
+        full = (self.full_sizes[index], self.in_features)[: target.dim()]
+        rows = (slice(row_start, row_start + size),)
+        _copy_checked(target[start : start + size], tensor, full, rows, f"{name} slice {index}")
 
     def extra_repr(self) -> str:
+        ranges = (
+            ""
+            if self.row_ranges == tuple((0, n) for n in self.output_sizes)
+            else (f", row_ranges={self.row_ranges}")
+        )
         return (
             f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
-            f"bias={self.bias is not None}"
+            f"bias={self.bias is not None}{ranges}"
         )
 
 
@@ -180,3 +206,85 @@ class Linear(MergedLinear):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__(in_features, (out_features,), bias, dtype, device)
+
+
+class RowParallelLinear(MergedLinear):
+    """y = x @ W.T + b where this rank holds columns `col_range = (start, size)` of W
+    (input features) and x holds the matching features: each rank computes a partial
+    product, adds its partial LoRA delta (A's matching columns, B whole: linear, so the
+    sum over ranks is the exact delta), then one all-reduce sums them and the bias is
+    added once. Without a group (one rank) this is `Linear`.
+
+    Shapes: x [T, size] -> y [T, out_features].
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        col_range: tuple[int, int] | None = None,
+        group: TPGroup | None = None,
+    ) -> None:
+        self.col_range = col_range or (0, in_features)
+        self.full_in_features = in_features
+        super().__init__(self.col_range[1], (out_features,), bias, dtype, device)
+        self.group = group
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        if self.group is None or self.group.size == 1:
+            return super().forward(x, lora)
+        out = self._matmul(x, None)
+        if lora is not None and self.lora is not None:
+            stack = self.lora
+            add_lora(out, x, stack.a, stack.b, lora, stack.backend, stack.num_slices)
+        self.group.all_reduce(out)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def lora_shard(
+        self, index: int, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start, size = self.col_range
+        return a[:, start : start + size], b
+
+    @torch.no_grad()
+    def load_slice(self, index: int, name: str, tensor: CheckpointSlice) -> None:
+        if name == "bias":
+            super().load_slice(index, name, tensor)
+            return
+        start, size = self.col_range
+        full = (self.full_sizes[0], self.full_in_features)
+        cols = (slice(None), slice(start, start + size))
+        _copy_checked(self.weight, tensor, full, cols, name)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", col_range={self.col_range}"
+
+
+class CheckpointSlice(Protocol):
+    """A checkpoint tensor read lazily (safetensors' slice object: `get_shape()`, and
+    indexing reads only the indexed part)."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+def _copy_checked(
+    target: torch.Tensor,
+    source: CheckpointSlice,
+    full_shape: tuple[int, ...],
+    index: tuple[slice, ...],
+    what: str,
+) -> None:
+    """target <- source[index] after checking the whole checkpoint tensor's shape."""
+    shape = tuple(source.get_shape())
+    if shape != tuple(full_shape):
+        raise ValueError(
+            f"shape mismatch for {what}: checkpoint {shape}, expected {tuple(full_shape)}"
+        )
+    target.copy_(source[index])

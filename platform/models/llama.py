@@ -19,30 +19,47 @@ from torch import nn
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.layers.attention import PagedAttention
-from loraplex.platform.layers.linear import Linear, MergedLinear, PackedWeight, linear
+from loraplex.platform.layers.linear import MergedLinear, PackedWeight, RowParallelLinear, linear
 from loraplex.platform.layers.norm import RMSNorm
 from loraplex.platform.layers.rotary import RotaryEmbedding
 from loraplex.platform.models.arch import ModelArch
 from loraplex.platform.models.weights import WeightTarget, load_checkpoint
+from loraplex.platform.parallel.group import TPGroup
+from loraplex.platform.parallel.layout import TPLayout, split
 
 logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v column-parallel by heads, o row-parallel (see parallel/layout.py)."""
+
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, device: torch.device, kernels: str
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: str,
+        layout: TPLayout,
+        group: TPGroup,
     ) -> None:
         super().__init__()
-        self.num_heads = arch.num_heads
-        self.num_kv_heads = arch.num_kv_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = arch.head_dim
         q_size = arch.num_heads * arch.head_dim
         kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_proj = MergedLinear(
-            arch.hidden_size, (q_size, kv_size, kv_size), arch.qkv_bias, dtype, device
+            arch.hidden_size,
+            (q_size, kv_size, kv_size),
+            arch.qkv_bias,
+            dtype,
+            device,
+            row_ranges=(layout.q_rows, layout.kv_rows, layout.kv_rows),
         )
-        self.o_proj = Linear(q_size, arch.hidden_size, arch.o_bias, dtype, device)
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, kernels)
+        self.o_proj = RowParallelLinear(
+            q_size, arch.hidden_size, arch.o_bias, dtype, device, layout.q_rows, group
+        )
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, arch.head_dim, kernels)
 
     def forward(
         self,
@@ -63,13 +80,29 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+    """gate/up column-parallel, down row-parallel over the intermediate dimension."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: TPLayout,
+        group: TPGroup,
+    ) -> None:
         super().__init__()
         size = arch.intermediate_size
         self.gate_up_proj = MergedLinear(
-            arch.hidden_size, (size, size), arch.mlp_bias, dtype, device
+            arch.hidden_size,
+            (size, size),
+            arch.mlp_bias,
+            dtype,
+            device,
+            row_ranges=(layout.intermediate, layout.intermediate),
         )
-        self.down_proj = Linear(size, arch.hidden_size, arch.mlp_bias, dtype, device)
+        self.down_proj = RowParallelLinear(
+            size, arch.hidden_size, arch.mlp_bias, dtype, device, layout.intermediate, group
+        )
 
     def forward(self, hidden: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)): [T, hidden] -> [T, hidden]."""
@@ -79,14 +112,20 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, dtype: torch.dtype, device: torch.device, kernels: str
+        self,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: str,
+        layout: TPLayout,
+        group: TPGroup,
     ) -> None:
         super().__init__()
         eps = arch.rms_norm_eps
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, dtype, device, kernels)
-        self.self_attn = LlamaAttention(arch, dtype, device, kernels)
+        self.self_attn = LlamaAttention(arch, dtype, device, kernels, layout, group)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, dtype, device, kernels)
-        self.mlp = LlamaMLP(arch, dtype, device)
+        self.mlp = LlamaMLP(arch, dtype, device, layout, group)
 
     def forward(
         self,
@@ -107,7 +146,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The causal LM; parameters start uninitialized and are filled by `load_weights`."""
+    """The causal LM; parameters start uninitialized and are filled by `load_weights`.
+
+    Under tensor parallelism (`layout.size > 1`) this is one rank's shard: its heads,
+    MLP columns and vocabulary rows (embedding and LM head), with an all-reduce after
+    each row-parallel projection and the embedding, and an all-gather of the logits.
+    """
 
     def __init__(
         self,
@@ -115,17 +159,25 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kernels: str = "torch",
+        layout: TPLayout | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         """`kernels` names the LayerKernels implementation ('torch' or 'triton')."""
         super().__init__()
         device = torch.device(device)
         self.arch = arch
         self.dtype = dtype
+        self.layout = layout or TPLayout.single(arch)
+        self.group = group or TPGroup.single()
+        if self.group.size != self.layout.size:
+            raise ValueError(f"layout for {self.layout.size} ranks, group of {self.group.size}")
+        vocab_rows = self.layout.vocab[1]
         self.embed_tokens = nn.Parameter(
-            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+            torch.empty(vocab_rows, arch.hidden_size, dtype=dtype, device=device)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, device, kernels) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, dtype, device, kernels, self.layout, self.group)
+            for _ in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device, kernels)
         self.rotary = RotaryEmbedding(
@@ -136,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = nn.Parameter(
-                torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+                torch.empty(vocab_rows, arch.hidden_size, dtype=dtype, device=device)
             )
 
     def forward(
@@ -149,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]. `lora` says
         which adapter slot each token uses (None: every token runs the base model)."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -157,11 +209,30 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: ids outside this rank's rows give zeros, and the
+        all-reduce leaves every token its one nonzero row."""
+        if not self.layout.sharded:
+            return F.embedding(input_ids, self.embed_tokens)
+        start, size = self.layout.vocab
+        local = input_ids - start
+        outside = (local < 0) | (local >= size)
+        hidden = F.embedding(local.clamp(0, size - 1), self.embed_tokens)
+        hidden.masked_fill_(outside[:, None], 0.0)
+        return self.group.all_reduce(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden] -> float32 logits [R, vocab]."""
+        """hidden [R, hidden] -> float32 logits [R, vocab] (on every rank)."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden, None).float()
-        return linear(hidden, self.lm_head, None).float()
+            logits = self.packed_lm_head(hidden, None).float()
+        else:
+            logits = linear(hidden, self.lm_head, None).float()
+        if not self.layout.sharded:
+            return logits
+        sizes = [
+            split(self.arch.vocab_size, self.layout.size, r)[1] for r in range(self.layout.size)
+        ]
+        return self.group.all_gather_last_dim(logits, sizes)
 
     def lora_targets(self) -> dict[tuple[int, str], tuple[MergedLinear, int]]:
         """(layer index, PEFT module name) -> (projection holding it, slice index)."""
@@ -178,12 +249,13 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """HF checkpoint tensor name -> where it goes in this model."""
+        vocab_rows = (*self.layout.vocab, self.arch.vocab_size)
         targets: dict[str, WeightTarget] = {
-            "model.embed_tokens.weight": WeightTarget(self, "embed_tokens"),
+            "model.embed_tokens.weight": WeightTarget(self, "embed_tokens", rows=vocab_rows),
             "model.norm.weight": WeightTarget(self.norm, "weight"),
         }
         if not self.arch.tie_word_embeddings:
-            targets["lm_head.weight"] = WeightTarget(self, "lm_head")
+            targets["lm_head.weight"] = WeightTarget(self, "lm_head", rows=vocab_rows)
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp

@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from loraplex.platform.layers.linear import CheckpointSlice
+
 logger = logging.getLogger(__name__)
 
 _ALWAYS_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -21,24 +23,34 @@ _SHOWN = 8
 @dataclass(frozen=True)
 class WeightTarget:
     """Where one checkpoint tensor goes: `module.attr`, or slice `slice_index` of it
-    for fused projections (modules with `load_slice`)."""
+    for fused projections (modules with `load_slice`, which pick their own shard).
+    `rows = (start, size, total)` loads only rows start .. start + size - 1 of a
+    checkpoint tensor of `total` rows (a tensor-parallel vocabulary shard)."""
 
     module: nn.Module
     attr: str
     slice_index: int | None = None
+    rows: tuple[int, int, int] | None = None
 
     @torch.no_grad()
-    def load(self, name: str, tensor: torch.Tensor) -> None:
+    def load(self, name: str, source: CheckpointSlice) -> None:
+        """Reads this target's part of checkpoint tensor `name` (only that part)."""
         if self.slice_index is not None:
-            self.module.load_slice(self.slice_index, self.attr, tensor)
+            self.module.load_slice(self.slice_index, self.attr, source)
             return
         param = getattr(self.module, self.attr)
-        if tuple(param.shape) != tuple(tensor.shape):
+        shape = tuple(source.get_shape())
+        expected = tuple(param.shape)
+        index: tuple[slice, ...] = (slice(None),)
+        if self.rows is not None:
+            start, size, total = self.rows
+            expected = (total, *param.shape[1:])
+            index = (slice(start, start + size),)
+        if shape != expected:
             raise ValueError(
-                f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
-                f"model {tuple(param.shape)}"
+                f"shape mismatch for {name}: checkpoint {shape}, model {tuple(param.shape)}"
             )
-        param.copy_(tensor)
+        param.copy_(source[index])
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -88,5 +100,5 @@ def load_checkpoint(
         with safe_open(file, framework="pt") as handle:
             for name in names:
                 if name in targets:
-                    targets[name].load(name, handle.get_tensor(name))
+                    targets[name].load(name, handle.get_slice(name))
     logger.info("loaded %d tensors from %d file(s) in %s", len(targets), len(files), folder)

@@ -47,6 +47,7 @@ class LoRASlots:
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         """adapter key -> slot, least recently used first."""
         self._adapters: list[LoRAAdapter | None] = [None] * max_loras
+        self._recent_loads: list[tuple[int, LoRAAdapter]] = []
         self.stats = SlotStats()
 
     @property
@@ -72,8 +73,14 @@ class LoRASlots:
                 self._slot_of.move_to_end(key)
         for key, adapter in wanted.items():
             if key not in self._slot_of:
-                self._load(adapter, self._free_slot(wanted))
+                self.load(adapter, self._free_slot(wanted))
         return {key: self._slot_of[key] for key in wanted}
+
+    def take_loads(self) -> list[tuple[int, LoRAAdapter]]:
+        """(slot, adapter) written since the last call: what tensor-parallel workers
+        must write into the same slots of their shards."""
+        loads, self._recent_loads = self._recent_loads, []
+        return loads
 
     def _free_slot(self, wanted: dict[bytes, LoRAAdapter]) -> int:
         for slot, adapter in enumerate(self._adapters):
@@ -87,8 +94,12 @@ class LoRASlots:
         return slot
 
     @torch.no_grad()
-    def _load(self, adapter: LoRAAdapter, slot: int) -> None:
+    def load(self, adapter: LoRAAdapter, slot: int) -> None:
+        """Writes `adapter` into `slot` of every projection (this rank's shard of it)."""
         started = time.perf_counter()
+        previous = self._adapters[slot]
+        if previous is not None:
+            self._slot_of.pop(previous.key, None)
         for module in self.projections:
             module.lora.a[slot].zero_()
             module.lora.b[slot].zero_()
@@ -103,6 +114,7 @@ class LoRASlots:
             stack.b[slot, start : start + size, cols].copy_(b)
         self._adapters[slot] = adapter
         self._slot_of[adapter.key] = slot
+        self._recent_loads.append((slot, adapter))
         elapsed = time.perf_counter() - started
         self.stats.loads += 1
         self.stats.load_seconds += elapsed

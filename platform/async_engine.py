@@ -127,6 +127,10 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop died: {self._error!r}") from self._error
         if not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
+        try:
+            self.engine.check_health()
+        except RuntimeError as exc:
+            raise EngineDeadError(str(exc)) from exc
 
     @property
     def num_streams(self) -> int:
@@ -140,6 +144,7 @@ class AsyncEngine:
         self._stopping.set()
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     def _send(self, command: _Add | _Abort) -> None:
         self._commands.put(command)

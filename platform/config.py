@@ -137,11 +137,33 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: `tensor_parallel_size` ranks each hold a shard of the model and
+    of the KV cache. Rank 0 runs in the engine's process and drives every step; ranks
+    1.. run in Ray worker actors (platform/parallel/workers.py), each reserving
+    `worker_num_cpus` (and a GPU on CUDA). A collective that waits longer than
+    `distributed_timeout_s` (a dead or stuck rank) fails the engine instead of hanging."""
+
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0
+    worker_num_cpus: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if self.worker_num_cpus < 0:
+            raise ValueError(f"worker_num_cpus must be >= 0, got {self.worker_num_cpus}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def create(
@@ -165,6 +187,9 @@ class EngineConfig:
         max_lora_rank: int = 16,
         max_cpu_loras: int = 64,
         adapter_root: str | None = None,
+        tensor_parallel_size: int = 1,
+        distributed_timeout_s: float = 60.0,
+        worker_num_cpus: float = 0.1,
     ) -> EngineConfig:
         """Builds the frozen configs from flat user options (the `LLM(...)` keywords)."""
         return cls(
@@ -194,10 +219,15 @@ class EngineConfig:
                 max_cpu_loras=max_cpu_loras,
                 adapter_root=adapter_root,
             ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                distributed_timeout_s=distributed_timeout_s,
+                worker_num_cpus=worker_num_cpus,
+            ),
         )
 
     @staticmethod
     def option_names() -> tuple[str, ...]:
         """The keyword names `create` accepts (for CLI flags and error messages)."""
-        sections = (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig)
+        sections = (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, ParallelConfig)
         return tuple(f.name for s in sections for f in dataclasses.fields(s))

@@ -21,6 +21,14 @@ from loraplex.platform.model_runner import ModelRunner
 from loraplex.platform.models.arch import ModelArch
 from loraplex.platform.models.registry import allocate_kv_caches, load_model
 from loraplex.platform.output_processor import OutputProcessor
+from loraplex.platform.parallel.layout import TPLayout
+from loraplex.platform.parallel.workers import (
+    ShardMemory,
+    TPWorkers,
+    WorkerSpec,
+    model_weight_bytes,
+    tensor_bytes,
+)
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
 from loraplex.platform.scheduler import Scheduler
 from loraplex.platform.tokenizer import eos_token_ids, load_tokenizer
@@ -40,10 +48,12 @@ def plan_num_blocks(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
+    num_kv_heads: int | None = None,
 ) -> int:
-    """Number of KV blocks the memory budget buys; fails if one max_model_len sequence
-    would not fit, naming the numbers."""
-    bytes_per_block = arch.kv_bytes_per_token(dtype) * cache.block_size
+    """Number of KV blocks the memory budget buys (per rank: with `num_kv_heads` of the
+    model's kv heads); fails if one max_model_len sequence would not fit, naming the
+    numbers."""
+    bytes_per_block = arch.kv_bytes_per_token(dtype, num_kv_heads) * cache.block_size
     if cache.num_blocks_override is not None:
         num_blocks = cache.num_blocks_override
         budget = num_blocks * bytes_per_block
@@ -73,7 +83,7 @@ class LLMEngine:
         self.device = torch.device(config.model.device)
         torch.manual_seed(config.model.seed)
         self.kernel_backend = kernel_backend(self.device)
-        model, arch = load_model(folder, config.model.dtype, self.device, self.kernel_backend)
+        arch = ModelArch.from_folder(folder)
         self.arch = arch
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -83,16 +93,29 @@ class LLMEngine:
                 arch.max_position_embeddings,
             )
         cache = config.cache
+        lora = config.lora
+        tp_size = config.parallel.tensor_parallel_size
+        layout = TPLayout.create(arch, 0, tp_size)
         num_blocks = plan_num_blocks(
-            cache, arch, config.model.dtype, self.device, self.max_model_len
+            cache, arch, config.model.dtype, self.device, self.max_model_len, layout.num_kv_heads
         )
+        self.workers: TPWorkers | None = None
+        if tp_size > 1:
+            self.workers = self._start_workers(folder, num_blocks)
+        group = self.workers.group if self.workers is not None else None
+        try:
+            model, _ = load_model(
+                folder, config.model.dtype, self.device, self.kernel_backend, 0, group
+            )
+        except BaseException:
+            self.shutdown()
+            raise
         kv_caches = allocate_kv_caches(
-            arch, num_blocks, cache.block_size, config.model.dtype, self.device
+            arch, num_blocks, cache.block_size, config.model.dtype, self.device, layout.num_kv_heads
         )
         self.kv_cache = KVCacheManager(
             BlockPool(num_blocks), cache.block_size, cache.enable_prefix_caching
         )
-        lora = config.lora
         self.adapters: AdapterStore | None = None
         lora_slots = None
         if lora.enabled:
@@ -105,16 +128,20 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache, self.max_model_len, lora.max_loras
         )
-        self.runner = ModelRunner(model, kv_caches, cache.block_size, self.device, lora_slots)
+        self.runner = ModelRunner(
+            model, kv_caches, cache.block_size, self.device, lora_slots, self.workers
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         logger.info(
-            "engine ready in %.1fs: model=%s dtype=%s device=%s kernels=%s blocks=%d x %d tokens, "
+            "engine ready in %.1fs: model=%s dtype=%s device=%s kernels=%s tp=%d "
+            "blocks=%d x %d tokens, "
             "max_model_len=%d, lora slots=%d x rank %d (%.1f MiB)",
             time.monotonic() - started,
             config.model.model,
             config.model.dtype,
             self.device,
             self.kernel_backend,
+            tp_size,
             num_blocks,
             cache.block_size,
             self.max_model_len,
@@ -122,6 +149,41 @@ class LLMEngine:
             lora.max_lora_rank,
             (lora_slots.num_bytes if lora_slots else 0) / 2**20,
         )
+
+    def _start_workers(self, folder, num_blocks: int) -> TPWorkers:
+        config = self.config
+        size = config.parallel.tensor_parallel_size
+        spec = WorkerSpec(
+            folder=str(folder),
+            dtype=config.model.dtype,
+            device=config.model.device,
+            kernels=self.kernel_backend,
+            size=size,
+            num_blocks=num_blocks,
+            block_size=config.cache.block_size,
+            max_loras=config.lora.max_loras,
+            max_lora_rank=config.lora.max_lora_rank,
+            timeout_s=config.parallel.distributed_timeout_s,
+            num_threads=max(1, (os.cpu_count() or 1) // size),
+            num_cpus=config.parallel.worker_num_cpus,
+        )
+        return TPWorkers.start(spec)
+
+    def shard_memory(self) -> list[ShardMemory]:
+        """Weight and KV-cache bytes held by each tensor-parallel rank (rank 0 first)."""
+        runner = self.runner
+        own = ShardMemory(0, model_weight_bytes(runner.model), tensor_bytes(runner.kv_caches))
+        return [own] + (self.workers.memory if self.workers is not None else [])
+
+    def check_health(self) -> None:
+        """RuntimeError when a tensor-parallel worker has died."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (a no-op on one rank)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ---- adapters ------------------------------------------------------------------
     def _store(self) -> AdapterStore:

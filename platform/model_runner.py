@@ -7,6 +7,10 @@ computes logits only for the rows that sample, and lets the sampler pick tokens.
 With LoRA, the step's adapters are made resident in device slots first, and decodes
 and prefill chunks are each ordered by slot so every adapter's tokens are contiguous
 (one segment per adapter and kind; see kernels/lora.py).
+
+Under tensor parallelism this runner is rank 0: it sends each step's inputs (and the
+slot writes and block copies it made) to the worker ranks before the forward, which
+all ranks then run together (parallel/workers.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
+from loraplex.platform.parallel.workers import StepMessage, TPWorkers
 from loraplex.platform.request import Logprob, Request
 from loraplex.platform.sampler import Sampler, SamplingBatch
 from loraplex.platform.scheduler import ScheduledRequest, SchedulerOutput
@@ -49,8 +54,11 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         lora_slots: LoRASlots | None = None,
+        workers: TPWorkers | None = None,
     ) -> None:
         self.model = model
+        self.workers = workers
+        """Tensor-parallel ranks 1.. (None on one rank): sent each step's inputs."""
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -62,6 +70,19 @@ class ModelRunner:
         """Runs one step; returns request id -> (sampled token, logprob or None)."""
         self._copy_blocks(output.block_copies)
         inputs = self.prepare_inputs(output)
+        slot_loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
+        if self.workers is not None:
+            self.workers.send(
+                StepMessage(
+                    block_copies=output.block_copies,
+                    slot_loads=slot_loads,
+                    input_ids=inputs.input_ids,
+                    positions=inputs.positions,
+                    meta=inputs.meta,
+                    lora=inputs.lora,
+                    sample_rows=inputs.sample_rows,
+                )
+            )
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
         )

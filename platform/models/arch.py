@@ -141,6 +141,8 @@ class ModelArch:
         """Reads `folder/config.json`."""
         return cls.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+    def kv_bytes_per_token(self, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+        """Bytes of K and V one token occupies across all layers (with `num_kv_heads`
+        heads: a tensor-parallel rank's share; default all of them)."""
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * self.num_layers * heads * self.head_dim * dtype.itemsize

@@ -16,13 +16,26 @@ import torch
 import torch.distributed as dist
 
 
+IDLE_WAIT = datetime.timedelta(days=7)
+"""How long a worker waits for rank 0's next step (workers die with their replica, which
+owns them, so this only bounds a wait nobody will end)."""
+
+
 class TPGroup:
     """Rank `rank` of `size`; `size == 1` makes every collective a no-op."""
 
-    def __init__(self, rank: int, size: int, process_group: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        process_group: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.rank = rank
         self.size = size
         self._pg = process_group
+        self.device = device or torch.device("cpu")
+        """Where the group's tensors live (CUDA for NCCL)."""
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -49,7 +62,7 @@ class TPGroup:
             pg = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-        return cls(rank, size, pg)
+        return cls(rank, size, pg, device)
 
     @staticmethod
     def make_store(size: int, timeout_s: float) -> dist.TCPStore:
@@ -75,20 +88,29 @@ class TPGroup:
         self._pg.allgather([parts], [padded]).wait()
         return torch.cat([part[..., :n] for part, n in zip(parts, sizes, strict=True)], dim=-1)
 
-    def broadcast_object(self, obj: Any = None, device: torch.device | None = None) -> Any:
-        """Rank 0's `obj` on every rank (pickled; rank 0 returns its own object)."""
+    def broadcast_object(self, obj: Any = None, idle_wait: bool = False) -> Any:
+        """Rank 0's `obj` on every rank (pickled; rank 0 returns its own object).
+
+        `idle_wait` (a worker waiting for the next step) lets the first receive wait up
+        to `IDLE_WAIT` instead of the group's timeout: an engine may sit idle for long.
+        """
         if self.size == 1:
             return obj
-        device = device or torch.device("cpu")
+        device = self.device
         if self.rank == 0:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             length = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
-        self._pg.broadcast([length], 0).wait()
+        length = length.to(device)
+        if idle_wait:
+            self._pg.broadcast(length, 0, IDLE_WAIT).wait()
+        else:
+            self._pg.broadcast(length, 0).wait()
         if self.rank != 0:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        self._pg.broadcast([payload], 0).wait()
+        payload = payload.to(device)
+        self._pg.broadcast(payload, 0).wait()
         if self.rank == 0:
             return obj
-        return pickle.loads(payload.numpy().tobytes())
+        return pickle.loads(payload.cpu().numpy().tobytes())

@@ -1,0 +1,236 @@
+"""Tensor-parallel ranks 1.. as Ray actors, driven step by step by rank 0.
+
+Rank 0 (the engine's process) decides everything: each step it broadcasts one
+`StepMessage` (block copies, adapter slot writes, the step's input tensors) and every
+rank runs the same forward on its shard; the collectives inside the model (all-reduce
+after row-parallel projections and the embedding, all-gather of the logits) keep the
+ranks in lockstep. Workers never schedule, sample or load adapters from disk.
+
+    rank 0                                   rank r (TPWorker actor)
+    TPWorkers.start -> actors created        __init__: join the group, load shard, KV
+    ... group joined, shard loaded           run(): loop
+    runner.execute: send(StepMessage) -----> receive, copy blocks, write slots,
+                    forward (collectives) <-> forward (collectives), logits all-gather
+    shutdown: send(StepMessage(stop))  ----> return
+
+Inside a Ray Serve replica whose deployment reserves one placement-group bundle per
+rank, worker r is placed in bundle r of the replica's group; elsewhere (offline `LLM`)
+the actors go wherever Ray puts them (`ray.init()` is called if needed). A worker that
+dies makes rank 0's next collective fail (or time out), which stops the engine loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from loraplex.adapters.peft_format import LoRAAdapter
+from loraplex.adapters.slots import LoRASlots
+from loraplex.kernels.lora import LoRABatch
+from loraplex.platform.attention_metadata import AttentionMetadata
+from loraplex.platform.models.registry import allocate_kv_caches, load_model
+from loraplex.platform.parallel.group import TPGroup
+from loraplex.platform.parallel.layout import TPLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepMessage:
+    """What every rank needs to run one step exactly as rank 0 does."""
+
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    slot_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    meta: AttentionMetadata | None = None
+    lora: LoRABatch | None = None
+    sample_rows: torch.Tensor | None = None
+    stop: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its shard (plain values: it crosses processes).
+    `port` is filled in by `TPWorkers.start` once rank 0's store is open."""
+
+    folder: str
+    dtype: torch.dtype
+    device: str
+    kernels: str
+    size: int
+    num_blocks: int
+    block_size: int
+    max_loras: int
+    max_lora_rank: int
+    timeout_s: float
+    num_threads: int
+    num_cpus: float
+    port: int = 0
+
+
+@dataclass(frozen=True)
+class ShardMemory:
+    """Bytes one rank holds for model weights and for its KV cache."""
+
+    rank: int
+    weight_bytes: int
+    kv_cache_bytes: int
+
+
+def tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Parameter bytes, tied tensors counted once."""
+    seen = {id(p): p for p in model.parameters()}
+    return tensor_bytes(seen.values())
+
+
+class TPWorker:
+    """One tensor-parallel rank > 0 (wrapped by `ray.remote` in `TPWorkers.start`)."""
+
+    def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        torch.set_num_threads(spec.num_threads)
+        self.rank = rank
+        self.device = torch.device(spec.device)
+        self.group = TPGroup.connect(rank, spec.size, spec.port, self.device, spec.timeout_s)
+        self.model, arch = load_model(
+            spec.folder, spec.dtype, self.device, spec.kernels, rank, self.group
+        )
+        layout = TPLayout.create(arch, rank, spec.size)
+        self.kv_caches = allocate_kv_caches(
+            arch, spec.num_blocks, spec.block_size, spec.dtype, self.device, layout.num_kv_heads
+        )
+        self.slots = None
+        if spec.max_loras > 0:
+            self.slots = LoRASlots(
+                self.model.lora_targets(), spec.max_loras, spec.max_lora_rank, spec.kernels
+            )
+        logger.info("tensor-parallel rank %d/%d ready (pid %d)", rank, spec.size, os.getpid())
+
+    def memory(self) -> ShardMemory:
+        return ShardMemory(self.rank, model_weight_bytes(self.model), tensor_bytes(self.kv_caches))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    @torch.inference_mode()
+    def run(self) -> int:
+        """Serves steps until rank 0 says stop; returns the number of steps run."""
+        steps = 0
+        while True:
+            message: StepMessage = self.group.broadcast_object(None, idle_wait=True)
+            if message.stop:
+                return steps
+            self._execute(message)
+            steps += 1
+
+    def _execute(self, message: StepMessage) -> None:
+        if message.block_copies:
+            src = torch.tensor([s for s, _ in message.block_copies], device=self.device)
+            dst = torch.tensor([d for _, d in message.block_copies], device=self.device)
+            for cache in self.kv_caches:
+                cache[:, dst] = cache[:, src]
+        if message.slot_loads:
+            if self.slots is None:
+                raise RuntimeError("adapter slot write on a worker without LoRA slots")
+            for slot, adapter in message.slot_loads:
+                self.slots.load(adapter, slot)
+            self.slots.take_loads()
+        hidden = self.model(
+            message.input_ids, message.positions, self.kv_caches, message.meta, message.lora
+        )
+        if message.sample_rows is not None and message.sample_rows.numel():
+            self.model.compute_logits(hidden[message.sample_rows])
+
+
+class TPWorkers:
+    """Rank 0's handle on the worker actors: start, per-step send, health, shutdown."""
+
+    def __init__(
+        self, group: TPGroup, actors: list[Any], runs: list[Any], memory: list[ShardMemory]
+    ) -> None:
+        self.group = group
+        self.actors = actors
+        self.memory = memory
+        """Each worker's shard sizes (ranks 1..)."""
+        self._runs = runs
+        self._stopped = False
+
+    @classmethod
+    def start(cls, spec: WorkerSpec) -> TPWorkers:
+        """Starts ranks 1 .. size-1 and joins the group as rank 0 (blocks until every
+        rank has joined; model loading then runs on all ranks at once)."""
+        import ray
+        from ray.util import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init(log_to_driver=False)
+        store = TPGroup.make_store(spec.size, spec.timeout_s)
+        spec = dataclasses.replace(spec, port=store.port)
+        placement_group = get_current_placement_group()
+        actor_class = ray.remote(TPWorker)
+        actors = []
+        for rank in range(1, spec.size):
+            options: dict[str, Any] = {"num_cpus": spec.num_cpus, "max_restarts": 0}
+            if spec.device.startswith("cuda"):
+                options["num_gpus"] = 1
+            if placement_group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=rank
+                )
+            actors.append(actor_class.options(**options).remote(spec, rank))
+        device = torch.device(spec.device)
+        try:
+            group = TPGroup.connect(0, spec.size, store.port, device, spec.timeout_s, store)
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            raise
+        # Shard sizes are fixed at start; asked now, as `run` then keeps each actor busy.
+        memory = ray.get([actor.memory.remote() for actor in actors])
+        runs = [actor.run.remote() for actor in actors]
+        return cls(group, actors, runs, memory)
+
+    def send(self, message: StepMessage) -> None:
+        self.group.broadcast_object(message)
+
+    def check(self) -> None:
+        """RuntimeError naming the rank when a worker's loop has ended (it died)."""
+        import ray
+
+        done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+        if not done or self._stopped:
+            return
+        rank = self._runs.index(done[0]) + 1
+        try:
+            ray.get(done[0])
+            reason = "its loop returned"
+        except Exception as exc:
+            reason = repr(exc)
+        raise RuntimeError(f"tensor-parallel worker rank {rank} stopped: {reason}")
+
+    def shutdown(self) -> None:
+        """Stops the worker loops (when they still listen) and kills the actors."""
+        import ray
+
+        if self._stopped:
+            return
+        try:
+            self.check()
+            self._stopped = True
+            self.send(StepMessage(stop=True))
+            ray.get(self._runs, timeout=10)
+        except Exception as exc:
+            logger.warning("tensor-parallel workers did not stop cleanly: %r", exc)
+        self._stopped = True
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)

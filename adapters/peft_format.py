@@ -116,6 +116,17 @@ class LoRAAdapter:
     def key_hex(self) -> str:
         return self.key.hex()
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        """Picklable (the read-only module map is rebuilt): tensor-parallel workers get
+        the adapters rank 0 writes into its slots."""
+        return _rebuild_adapter, (self.name, self.path, self.key, dict(self.modules))
+
+
+def _rebuild_adapter(
+    name: str, path: Path, key: bytes, modules: dict[tuple[int, str], LoRAModuleWeights]
+) -> LoRAAdapter:
+    return LoRAAdapter(name, path, key, MappingProxyType(modules))
+
 
 def expected_lora_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each supported base projection."""

@@ -17,6 +17,27 @@ def model_deployment_name(name: str) -> str:
     return f"model-{name}"
 
 
+def rank_bundles(config: ModelDeploymentConfig) -> dict[str, Any]:
+    """Serve placement-group options of a tensor-parallel model: one bundle per rank,
+    the replica (rank 0) in bundle 0 and worker r in bundle r (parallel/workers.py);
+    nothing for one rank."""
+    parallel = config.engine_config().parallel
+    size = parallel.tensor_parallel_size
+    if size == 1:
+        return {}
+    server = config.server
+
+    def bundle(cpus: float) -> dict[str, float]:
+        resources = {"CPU": cpus, "GPU": server.num_gpus}
+        return {name: amount for name, amount in resources.items() if amount > 0}
+
+    return {
+        "placement_group_bundles": [bundle(server.num_cpus)]
+        + [bundle(parallel.worker_num_cpus)] * (size - 1),
+        "placement_group_strategy": server.placement_group_strategy,
+    }
+
+
 def bind_model_server(config: ModelDeploymentConfig, adapter_root: str) -> Application:
     server = config.server
     scaling: dict[str, Any] = (
@@ -28,6 +49,7 @@ def bind_model_server(config: ModelDeploymentConfig, adapter_root: str) -> Appli
         ModelServer,
         name=model_deployment_name(config.name),
         ray_actor_options={"num_cpus": server.num_cpus, "num_gpus": server.num_gpus},
+        **rank_bundles(config),
         max_ongoing_requests=server.max_ongoing_requests,
         max_queued_requests=server.max_queued_requests,
         health_check_period_s=server.health_check_period_s,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,6 +46,10 @@ class ServerOptions(StrictConfig):
         return value
 
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK",
+        description="how a tensor-parallel replica's bundles (one per rank) are placed",
+    )
 
 
 class ModelDeploymentConfig(StrictConfig):

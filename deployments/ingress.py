@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -86,6 +87,17 @@ async def parse_body(request: Request, schema: type[Body]) -> Body:
 
 def _catalog_error(exc: CatalogError) -> OpenAIError:
     return OpenAIError(exc.status, str(exc))
+
+
+def replica_failed(base: str, request_id: str, exc: BaseException) -> OpenAIError:
+    """A 503 for a model replica that failed mid-request (its engine or a tensor-parallel
+    worker died); Serve replaces the replica, so a retry can succeed."""
+    logger.error("request %s: model %s replica failed: %r", request_id, base, exc)
+    return OpenAIError(
+        503,
+        f"model {base!r} failed while serving this request; retry later",
+        retry_after_s=OVERLOAD_RETRY_AFTER_S,
+    )
 
 
 def _card(entry: AdapterEntry) -> AdapterCard:
@@ -221,6 +233,8 @@ class OpenAIIngress:
             accumulator.add(first)
             async for step in steps:
                 accumulator.add(step)
+        except RayError as exc:
+            raise replica_failed(route.base, call.request_id, exc) from None
         finally:
             self._finish(tenant, accumulator)
         return JSONResponse(accumulator.final())
@@ -237,6 +251,8 @@ class OpenAIIngress:
                 f"model {route.base!r} is overloaded, retry later",
                 retry_after_s=OVERLOAD_RETRY_AFTER_S,
             ) from None
+        except RayError as exc:
+            raise replica_failed(route.base, call.request_id, exc) from None
         if isinstance(first, GenerateError):
             raise OpenAIError(first.status, first.message, param=first.param)
         return steps, first
@@ -265,6 +281,12 @@ class OpenAIIngress:
             if include_usage:
                 yield sse(accumulator.usage_chunk())
             yield "data: [DONE]\n\n"
+            finished = True
+        except RayError as exc:
+            # Headers are gone: the failure becomes an OpenAI error event, which the SDK
+            # raises as an APIError, and the stream ends.
+            error = replica_failed(accumulator.model, accumulator.request_id, exc)
+            yield sse({"error": {"message": error.message, "type": "server_error", "code": 503}})
             finished = True
         finally:
             if not finished:

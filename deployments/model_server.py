@@ -191,6 +191,7 @@ class ModelServer:
             "total_blocks": engine.kv_cache.pool.num_blocks,
             "unfinished": engine.has_unfinished(),
             "streams": self.engine.num_streams,
+            "shards": [dataclasses.asdict(shard) for shard in engine.shard_memory()],
         }
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[StreamStep | GenerateError]:

@@ -171,7 +171,6 @@ class AsyncEngine:
                 streams = list(self._streams.values())
             for stream in streams:
                 stream.put(dead)
-            raise
 
     def _apply_commands(self) -> None:
         while True:

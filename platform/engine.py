@@ -172,7 +172,8 @@ class LLMEngine:
     def shard_memory(self) -> list[ShardMemory]:
         """Weight and KV-cache bytes held by each tensor-parallel rank (rank 0 first)."""
         runner = self.runner
-        own = ShardMemory(0, model_weight_bytes(runner.model), tensor_bytes(runner.kv_caches))
+        weights, kv = model_weight_bytes(runner.model), tensor_bytes(runner.kv_caches)
+        own = ShardMemory(0, weights, kv, os.getpid())
         return [own] + (self.workers.memory if self.workers is not None else [])
 
     def check_health(self) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 IDLE_WAIT = datetime.timedelta(days=7)
 """How long a worker waits for rank 0's next step (workers die with their replica, which
 owns them, so this only bounds a wait nobody will end)."""

@@ -76,11 +76,12 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class ShardMemory:
-    """Bytes one rank holds for model weights and for its KV cache."""
+    """Bytes one rank holds for model weights and for its KV cache, and its process."""
 
     rank: int
     weight_bytes: int
     kv_cache_bytes: int
+    pid: int
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -116,10 +117,8 @@ class TPWorker:
         logger.info("tensor-parallel rank %d/%d ready (pid %d)", rank, spec.size, os.getpid())
 
     def memory(self) -> ShardMemory:
-        return ShardMemory(self.rank, model_weight_bytes(self.model), tensor_bytes(self.kv_caches))
-
-    def pid(self) -> int:
-        return os.getpid()
+        weights, kv = model_weight_bytes(self.model), tensor_bytes(self.kv_caches)
+        return ShardMemory(self.rank, weights, kv, os.getpid())
 
     @torch.inference_mode()
     def run(self) -> int:

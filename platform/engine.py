@@ -132,6 +132,16 @@ class LLMEngine:
             model, kv_caches, cache.block_size, self.device, lora_slots, self.workers
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        if self.workers is not None:
+            for shard in self.shard_memory():
+                logger.info(
+                    "tensor-parallel rank %d/%d (pid %d): weights %.1f MiB, KV cache %.1f MiB",
+                    shard.rank,
+                    tp_size,
+                    shard.pid,
+                    shard.weight_bytes / 2**20,
+                    shard.kv_cache_bytes / 2**20,
+                )
         logger.info(
             "engine ready in %.1fs: model=%s dtype=%s device=%s kernels=%s tp=%d "
             "blocks=%d x %d tokens, "

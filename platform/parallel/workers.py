@@ -98,9 +98,16 @@ class TPWorker:
     """One tensor-parallel rank > 0 (wrapped by `ray.remote` in `TPWorkers.start`)."""
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        """Cheap, so rank 0 can tell "not scheduled" from "failed to load"."""
         torch.set_num_threads(spec.num_threads)
+        self.spec = spec
         self.rank = rank
         self.device = torch.device(spec.device)
+
+    def setup(self) -> ShardMemory:
+        """Joins the group (rank 0 joins at the same time), loads this rank's shard and
+        allocates its KV cache; returns the shard's sizes."""
+        spec, rank = self.spec, self.rank
         self.group = TPGroup.connect(rank, spec.size, spec.port, self.device, spec.timeout_s)
         self.model, arch = load_model(
             spec.folder, spec.dtype, self.device, spec.kernels, rank, self.group
@@ -115,6 +122,7 @@ class TPWorker:
                 self.model.lora_targets(), spec.max_loras, spec.max_lora_rank, spec.kernels
             )
         logger.info("tensor-parallel rank %d/%d ready (pid %d)", rank, spec.size, os.getpid())
+        return self.memory()
 
     def memory(self) -> ShardMemory:
         weights, kv = model_weight_bytes(self.model), tensor_bytes(self.kv_caches)
@@ -148,6 +156,21 @@ class TPWorker:
         )
         if message.sample_rows is not None and message.sample_rows.numel():
             self.model.compute_logits(hidden[message.sample_rows])
+
+
+def _wait_started(actors: list[Any], spec: WorkerSpec) -> None:
+    """RuntimeError naming the resources when a worker actor does not start in time."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=spec.timeout_s)
+    except GetTimeoutError:
+        need = f"{spec.num_cpus} CPU" + (" and 1 GPU" if spec.device.startswith("cuda") else "")
+        raise RuntimeError(
+            f"tensor-parallel workers did not start within {spec.timeout_s:.0f}s: each of "
+            f"the {spec.size - 1} worker(s) needs {need} (worker_num_cpus) in this Ray cluster"
+        ) from None
 
 
 class TPWorkers:
@@ -187,15 +210,17 @@ class TPWorkers:
                     placement_group=placement_group, placement_group_bundle_index=rank
                 )
             actors.append(actor_class.options(**options).remote(spec, rank))
-        device = torch.device(spec.device)
         try:
+            _wait_started(actors, spec)
+            setups = [actor.setup.remote() for actor in actors]
+            device = torch.device(spec.device)
             group = TPGroup.connect(0, spec.size, store.port, device, spec.timeout_s, store)
+            # Shard sizes are fixed once loaded; `run` then keeps each actor busy.
+            memory = ray.get(setups, timeout=max(spec.timeout_s, 600.0))
         except BaseException:
             for actor in actors:
                 ray.kill(actor, no_restart=True)
             raise
-        # Shard sizes are fixed at start; asked now, as `run` then keeps each actor busy.
-        memory = ray.get([actor.memory.remote() for actor in actors])
         runs = [actor.run.remote() for actor in actors]
         return cls(group, actors, runs, memory)
 

@@ -151,3 +151,9 @@ def test_dead_worker_fails_the_engine_instead_of_hanging(ray_cluster, tiny_model
             engine.check_health()
     finally:
         engine.shutdown()
+
+
+def test_unschedulable_worker_is_a_clear_error(ray_cluster, tiny_model_factory):
+    base = tiny_model_factory("llama")
+    with pytest.raises(RuntimeError, match="did not start within 3s.*64 CPU"):
+        LLM(str(base), tensor_parallel_size=2, worker_num_cpus=64, distributed_timeout_s=3)

@@ -368,7 +368,10 @@ def _layer_arguments(parser: argparse.ArgumentParser) -> None:
 @register("rms_norm", _layer_arguments)
 def bench_rms_norm(args: argparse.Namespace) -> list[Measurement]:
     """Fused RMSNorm + residual add against the torch ops it replaces."""
-    from loraplex.kernels.rms_norm import reference_rms_norm, rms_norm
+    from loraplex.kernels.rms_norm import rms_norm
+    from loraplex.platform.layers.layer_kernels import get_layer_kernels
+
+    torch_rms_norm = get_layer_kernels("torch").rms_norm
 
     device = bench_device()
     dtype = DTYPES[args.dtype]
@@ -390,7 +393,7 @@ def bench_rms_norm(args: argparse.Namespace) -> list[Measurement]:
         Measurement(
             "rms_norm torch",
             shape,
-            time_ms(lambda: reference_rms_norm(x, residual, weight, 1e-6)),
+            time_ms(lambda: torch_rms_norm(x, residual, weight, 1e-6)),
             traffic,
             flops,
         ),

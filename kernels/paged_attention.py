@@ -54,6 +54,50 @@ _PREFILL_TENSORS = "triton_prefill_tensors"
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    pos,
+    n_mask,
+    visible,
+    kv_head,
+    scale,
+    offs_d,
+    d_mask,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    WIDEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the keys at positions `pos` (read through the block
+    table where `n_mask`); `visible` ([rows, keys] or [1, keys]) masks the scores.
+    Returns the new (m, l, acc)."""
+    block_ids = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    rows = block_ids * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if WIDEN:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -114,22 +158,28 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        block_ids = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        rows = block_ids * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if WIDEN:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            pos,
+            n_mask,
+            n_mask[None, :],
+            kv_head,
+            scale,
+            offs_d,
+            d_mask,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
+            WIDEN,
+            PRECISION,
+        )
     out_mask = g_mask[:, None] & d_mask[None, :]
     if ONE_SPLIT:
         out_ptrs = (
@@ -251,23 +301,29 @@ def _prefill_kernel(
     for n0 in range(0, key_end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < key_end
-        block_ids = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        rows = block_ids * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if WIDEN:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = n_mask[None, :] & (pos[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            pos,
+            n_mask,
+            visible,
+            kv_head,
+            scale,
+            offs_d,
+            d_mask,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
+            WIDEN,
+            PRECISION,
+        )
     out_rows = (q_start + offs_m) * stride_ot + head * stride_oh
     tl.store(
         out_ptr + out_rows[:, None] + offs_d[None, :],
@@ -288,9 +344,8 @@ def _on_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _dot_settings(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
-    """(WIDEN, PRECISION): widen off the GPU (interpreter); IEEE products for fp32."""
-    return not _on_gpu(device), "ieee"
+_PRECISION = "ieee"
+"""tl.dot precision of fp32 operands (exact fp32 products, as the torch path)."""
 
 
 def _check_cache(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -358,7 +413,6 @@ def decode_attention(
         raise ValueError(f"partition_size {partition} is not a multiple of {block_n}")
     num_splits = triton.cdiv(max_seq_len, partition)
     block_d = triton.next_power_of_2(head_dim)
-    widen, precision = _dot_settings(q.dtype, q.device)
     part_acc, part_stats = _decode_partials(
         scratch, num_decodes, num_heads, num_splits, head_dim, q.device
     )
@@ -395,8 +449,8 @@ def decode_attention(
         BLOCK_N=block_n,
         PARTITION=partition,
         ONE_SPLIT=num_splits == 1,
-        WIDEN=widen,
-        PRECISION=precision,
+        WIDEN=not _on_gpu(q.device),
+        PRECISION=_PRECISION,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](
@@ -472,7 +526,6 @@ def prefill_attention(
     on_gpu = _on_gpu(q.device)
     block_m = 64 if on_gpu else 16
     block_n = 64 if on_gpu else 16
-    widen, precision = _dot_settings(q.dtype, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (len(query_lens), triton.cdiv(max(query_lens), block_m), num_heads)
     _prefill_kernel[grid](
@@ -499,8 +552,8 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n,
-        WIDEN=widen,
-        PRECISION=precision,
+        WIDEN=not _on_gpu(q.device),
+        PRECISION=_PRECISION,
     )
     return out
 

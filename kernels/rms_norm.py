@@ -6,7 +6,8 @@ Semantics (x, residual, out, residual_out [T, hidden]; weight [hidden]; dtype = 
     out = weight * (fp32(s) / sqrt(mean(fp32(s)^2) + eps)).to(dtype)     in dtype
     residual_out = s
 
-The dtype roundings are those of `platform/layers/norm.py` (and HF's LlamaRMSNorm), so
+The dtype roundings are those of the torch path (`TorchLayerKernels.rms_norm` in
+platform/layers/layer_kernels.py, the reference in tests, and HF's LlamaRMSNorm), so
 fp32 results agree to rounding and half-precision ones to one ulp.
 """
 
@@ -15,16 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-def reference_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch, the same roundings as the Semantics line: (out, residual_out)."""
-    summed = x if residual is None else x + residual
-    h = summed.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype), summed
 
 
 @triton.jit

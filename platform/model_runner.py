@@ -23,6 +23,7 @@ from torch import nn
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
+from loraplex.platform.models.registry import copy_blocks
 from loraplex.platform.parallel.workers import StepMessage, TPWorkers
 from loraplex.platform.request import Logprob, Request
 from loraplex.platform.sampler import Sampler, SamplingBatch
@@ -68,7 +69,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, Logprob | None]]:
         """Runs one step; returns request id -> (sampled token, logprob or None)."""
-        self._copy_blocks(output.block_copies)
+        copy_blocks(self.kv_caches, output.block_copies)
         inputs = self.prepare_inputs(output)
         slot_loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
         if self.workers is not None:
@@ -97,14 +98,6 @@ class ModelRunner:
                 inputs.sample_requests, sampled.token_ids, sampled.logprobs, strict=False
             )
         }
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
 
     def _slots(self, output: SchedulerOutput) -> dict[bytes, int]:
         """Adapter key -> device slot for this step's adapters (loaded as needed)."""

@@ -86,6 +86,7 @@ class TorchLayerKernels:
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference the Triton kernel is tested against (kernels/rms_norm.py)."""
         if residual is not None:
             x = residual + x
         h = x.float()

@@ -130,10 +130,13 @@ class MergedLinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out]; adds each token's adapter delta when `lora` is given."""
         out = self._matmul(x, self.bias)
+        self._add_lora(out, x, lora)
+        return out
+
+    def _add_lora(self, out: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None) -> None:
         if lora is not None and self.lora is not None:
             stack = self.lora
             add_lora(out, x, stack.a, stack.b, lora, stack.backend, stack.num_slices)
-        return out
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -237,9 +240,7 @@ class RowParallelLinear(MergedLinear):
         if self.group is None or self.group.size == 1:
             return super().forward(x, lora)
         out = self._matmul(x, None)
-        if lora is not None and self.lora is not None:
-            stack = self.lora
-            add_lora(out, x, stack.a, stack.b, lora, stack.backend, stack.num_slices)
+        self._add_lora(out, x, lora)
         self.group.all_reduce(out)
         if self.bias is not None:
             out += self.bias

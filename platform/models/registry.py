@@ -62,3 +62,14 @@ def allocate_kv_caches(
     heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
     shape = (2, num_blocks, heads, block_size, arch.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:
+    """Copy-on-write: block dst <- block src in every layer's cache, for (src, dst) pairs."""
+    if not copies:
+        return
+    device = kv_caches[0].device
+    src = torch.tensor([s for s, _ in copies], device=device)
+    dst = torch.tensor([d for _, d in copies], device=device)
+    for cache in kv_caches:
+        cache[:, dst] = cache[:, src]

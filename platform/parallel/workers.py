@@ -33,7 +33,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
-from loraplex.platform.models.registry import allocate_kv_caches, load_model
+from loraplex.platform.models.registry import allocate_kv_caches, copy_blocks, load_model
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout
 
@@ -140,11 +140,7 @@ class TPWorker:
             steps += 1
 
     def _execute(self, message: StepMessage) -> None:
-        if message.block_copies:
-            src = torch.tensor([s for s, _ in message.block_copies], device=self.device)
-            dst = torch.tensor([d for _, d in message.block_copies], device=self.device)
-            for cache in self.kv_caches:
-                cache[:, dst] = cache[:, src]
+        copy_blocks(self.kv_caches, message.block_copies)
         if message.slot_loads:
             if self.slots is None:
                 raise RuntimeError("adapter slot write on a worker without LoRA slots")

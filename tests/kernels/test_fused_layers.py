@@ -12,12 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels.rms_norm import reference_rms_norm, rms_norm
+from loraplex.kernels.rms_norm import rms_norm
 from loraplex.kernels.rotary_kv import reference_rotary_write_kv, rotary_write_kv
 from loraplex.kernels.torch_paged_attention import read_slots, write_kv
+from loraplex.platform.layers.layer_kernels import get_layer_kernels
 from loraplex.platform.layers.norm import RMSNorm
 from loraplex.platform.layers.rotary import apply_rotary
 
+reference_rms_norm = get_layer_kernels("torch").rms_norm
+"""The torch path is the reference of the fused RMSNorm kernel."""
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCES = {
     torch.float32: 1e-6,

@@ -221,7 +221,7 @@ def triton_add_lora(
         triton_lora.sgmv_expand(y, lora_b, *segs, out)
 
 
-_BACKENDS = {"torch": torch_add_lora, "triton": triton_add_lora}
+_BACKENDS = {"torch": torch_add_lora, "cpu": torch_add_lora, "triton": triton_add_lora}
 
 
 def add_lora(

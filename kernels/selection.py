@@ -1,8 +1,10 @@
-"""Which kernel family the engine runs: 'triton' on CUDA, 'torch' elsewhere.
+"""Which kernel family the engine runs: 'triton' on CUDA; on a CPU 'cpu' (the torch
+path with native hot spots, kernels/cpu_ops.py) when those build here, else 'torch'.
 
-`LORAPLEX_KERNEL_BACKEND=torch|triton` forces one for every kernel (attention, fused
-layers, LoRA), e.g. to check the Triton path under the interpreter on a CPU
-(`TRITON_INTERPRET=1`, set before anything imports a Triton kernel module).
+`LORAPLEX_KERNEL_BACKEND=torch|cpu|triton` forces one for every kernel (attention,
+fused layers, LoRA), e.g. `torch` for the plain reference path, or `triton` to check
+the Triton path under the interpreter on a CPU (`TRITON_INTERPRET=1`, set before
+anything imports a Triton kernel module).
 """
 
 from __future__ import annotations
@@ -12,15 +14,23 @@ import os
 import torch
 
 KERNEL_BACKEND_ENV = "LORAPLEX_KERNEL_BACKEND"
-KERNEL_BACKENDS = ("torch", "triton")
+KERNEL_BACKENDS = ("torch", "cpu", "triton")
 
 
 def kernel_backend(device: torch.device) -> str:
-    """The forced backend if the env var names one, else 'triton' on CUDA and 'torch'
-    elsewhere; ValueError for an unknown forced name."""
+    """The forced backend if the env var names one, else 'triton' on CUDA, 'cpu' on a
+    CPU where the native kernels build (first call builds them) and 'torch' otherwise;
+    ValueError for an unknown forced name."""
     forced = os.environ.get(KERNEL_BACKEND_ENV)
     if forced:
         if forced not in KERNEL_BACKENDS:
             raise ValueError(f"{KERNEL_BACKEND_ENV}={forced!r}; use one of {list(KERNEL_BACKENDS)}")
         return forced
-    return "triton" if device.type == "cuda" else "torch"
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu":
+        from loraplex.kernels import cpu_ops
+
+        if cpu_ops.load():
+            return "cpu"
+    return "torch"

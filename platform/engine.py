@@ -15,6 +15,7 @@ from loraplex.adapters.store import AdapterStore
 from loraplex.kernels.selection import kernel_backend
 from loraplex.platform.block_pool import BlockPool
 from loraplex.platform.config import CacheConfig, EngineConfig
+from loraplex.platform.cpu_allocator import keep_freed_memory
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.model_runner import ModelRunner
@@ -81,6 +82,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(folder)
         self.eos_token_ids = eos_token_ids(folder, self.tokenizer)
         self.device = torch.device(config.model.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         torch.manual_seed(config.model.seed)
         self.kernel_backend = kernel_backend(self.device)
         arch = ModelArch.from_folder(folder)

@@ -67,10 +67,15 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 
 
-def cache_root() -> Path:
-    """Where converted models live: `$LORAPLEX_CACHE_DIR/models` or ~/.cache/loraplex/models."""
+def cache_base() -> Path:
+    """loraplex's cache directory: `$LORAPLEX_CACHE_DIR` or ~/.cache/loraplex."""
     base = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "loraplex"
-    return Path(base).expanduser() / "models"
+    return Path(base).expanduser()
+
+
+def cache_root() -> Path:
+    """Where converted models live: `cache_base() / "models"`."""
+    return cache_base() / "models"
 
 
 def resolve_model_folder(model: str) -> Path:

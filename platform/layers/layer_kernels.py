@@ -3,6 +3,8 @@ Triton implementation (picked per engine by `kernels/selection.py`).
 
     rms_norm(x, residual, weight, eps) -> (normed, new residual)
         x, residual [T, hidden]; see kernels/rms_norm.py for the exact roundings.
+    silu_and_mul(x) -> silu(gate) * up where gate, up = x.chunk(2, -1)
+        x [T, 2I] (the fused gate/up output) -> [T, I].
     rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping) -> (q, k) rotated
         q [T, H, Dh], k / v [T, Hkv, Dh], cos / sin [T, 1, Dh/2] in the model dtype;
         also writes k (rotated) and v to their cache slots.
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from loraplex.kernels import torch_paged_attention as torch_attention
 from loraplex.platform.attention_metadata import AttentionMetadata
@@ -29,6 +32,8 @@ class LayerKernels(Protocol):
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def rotary_write_kv(
         self,
@@ -79,6 +84,12 @@ def get_layer_kernels(name: str) -> LayerKernels:
     return _INSTANCES[name]
 
 
+def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> F.silu(gate) * up [T, I] with gate, up = x.chunk(2, -1)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 @register_layer_kernels("torch")
 class TorchLayerKernels:
     """Plain torch ops: the CPU path (and the reference the Triton path must match)."""
@@ -92,6 +103,9 @@ class TorchLayerKernels:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h.to(x.dtype), x
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_silu_and_mul(x)
 
     def rotary_write_kv(
         self,
@@ -164,6 +178,9 @@ class TritonLayerKernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rms_norm(x, residual, weight, eps)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_silu_and_mul(x)
+
     def rotary_write_kv(
         self,
         q: torch.Tensor,
@@ -210,3 +227,74 @@ class TritonLayerKernels:
                 scratch=meta.cache,
             )
         return out
+
+
+@register_layer_kernels("cpu")
+class CpuLayerKernels(TorchLayerKernels):
+    """The torch path with its hot spots in native code (kernels/cpu_ops.py): fused
+    RMSNorm + residual, SiLU-and-mul, rotary + cache write in place, and decode
+    attention reading each K/V block where it lies instead of gathering a batch copy.
+    Prefill chunks keep the torch path's SDPA (already a fused flash kernel on CPU)."""
+
+    def __init__(self) -> None:
+        from loraplex.kernels import cpu_ops
+
+        if not cpu_ops.load():
+            raise RuntimeError("the native CPU kernels could not be built (see the log)")
+        self._ops = cpu_ops
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ops.rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.silu_and_mul(x)
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ops.rotary_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), kv_cache, slot_mapping)
+        return q, k
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_decodes = meta.num_decode_tokens
+        decode_out = q.new_empty((num_decodes, *q.shape[1:]))
+        if num_decodes:
+            self._ops.paged_decode_attention(
+                q[:num_decodes],
+                kv_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                decode_out,
+            )
+        if meta.num_prefills == 0:
+            return decode_out
+        prefill_out = torch_attention.prefill_attention(
+            q[num_decodes:],
+            k[num_decodes:],
+            v[num_decodes:],
+            kv_cache,
+            meta.prefill_block_tables,
+            meta.prefill_query_lens,
+            meta.prefill_seq_lens,
+            scale,
+            meta.cache,
+        )
+        return prefill_out if num_decodes == 0 else torch.cat((decode_out, prefill_out), dim=0)

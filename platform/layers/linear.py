@@ -148,11 +148,11 @@ class MergedLinear(nn.Module):
         self.packed = PackedWeight.maybe(self.weight)
 
     def enable_lora(self, max_loras: int, max_rank: int, backend: str) -> LoRAStack:
-        """Allocates this projection's zeroed adapter slots. On the torch path a half
+        """Allocates this projection's zeroed adapter slots. On a CPU path a half
         precision model keeps its slots in fp32, as PEFT keeps adapter weights: tiny
         fp32 matmuls cost less per call on a CPU, and the delta is rounded only once."""
         dtype = self.weight.dtype
-        if backend == "torch" and dtype in (torch.bfloat16, torch.float16):
+        if backend != "triton" and dtype in (torch.bfloat16, torch.float16):
             dtype = torch.float32
         self.lora = LoRAStack.allocate(
             max_loras,

@@ -25,7 +25,7 @@ class LoRAStack:
     """[max_loras, out_features, num_slices * max_rank]"""
     num_slices: int
     backend: str
-    """kernels/lora.py backend name: 'torch' or 'triton'."""
+    """kernels/lora.py backend name: 'torch', 'cpu' or 'triton'."""
 
     @classmethod
     def allocate(

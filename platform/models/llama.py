@@ -19,6 +19,7 @@ from torch import nn
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.layers.attention import PagedAttention
+from loraplex.platform.layers.layer_kernels import get_layer_kernels
 from loraplex.platform.layers.linear import MergedLinear, PackedWeight, RowParallelLinear, linear
 from loraplex.platform.layers.norm import RMSNorm
 from loraplex.platform.layers.rotary import RotaryEmbedding
@@ -87,10 +88,12 @@ class LlamaMLP(nn.Module):
         arch: ModelArch,
         dtype: torch.dtype,
         device: torch.device,
+        kernels: str,
         layout: TPLayout,
         group: TPGroup,
     ) -> None:
         super().__init__()
+        self.kernels = get_layer_kernels(kernels)
         size = arch.intermediate_size
         self.gate_up_proj = MergedLinear(
             arch.hidden_size,
@@ -106,8 +109,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         """down(silu(gate(x)) * up(x)): [T, hidden] -> [T, hidden]."""
-        gate, up = self.gate_up_proj(hidden, lora).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, lora)
+        gate_up = self.gate_up_proj(hidden, lora)
+        return self.down_proj(self.kernels.silu_and_mul(gate_up), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -125,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, dtype, device, kernels)
         self.self_attn = LlamaAttention(arch, dtype, device, kernels, layout, group)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, dtype, device, kernels)
-        self.mlp = LlamaMLP(arch, dtype, device, layout, group)
+        self.mlp = LlamaMLP(arch, dtype, device, kernels, layout, group)
 
     def forward(
         self,

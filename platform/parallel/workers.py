@@ -33,6 +33,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
+from loraplex.platform.cpu_allocator import keep_freed_memory
 from loraplex.platform.models.registry import allocate_kv_caches, copy_blocks, load_model
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout
@@ -100,6 +101,8 @@ class TPWorker:
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
         """Cheap, so rank 0 can tell "not scheduled" from "failed to load"."""
         torch.set_num_threads(spec.num_threads)
+        if torch.device(spec.device).type == "cpu":
+            keep_freed_memory()
         self.spec = spec
         self.rank = rank
         self.device = torch.device(spec.device)

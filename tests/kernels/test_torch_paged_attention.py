@@ -114,7 +114,7 @@ def test_write_kv_places_tokens_in_their_slots():
     assert int((cache != 0).any(-1).any(2).sum()) == 6  # K and V rows of three tokens
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("num_decodes", [0, 3])
 def test_layer_kernels_mixed_step_matches_reference(num_decodes, backend):
     """A step of decodes then prefill chunks through each LayerKernels.attention."""

@@ -1,7 +1,8 @@
 """The engine's Triton path (fused RMSNorm, fused rotary + cache write, paged attention,
-LoRA kernels; run by the interpreter off CUDA) gives the same greedy fp32 outputs as its
-torch path, token for token, with prefix hits, chunked prefill mixed with decodes, and
-preemption. Tiny models keep the interpreter's cost down."""
+LoRA kernels; run by the interpreter off CUDA) and its native CPU path (kernels/cpu_ops)
+each give the same greedy fp32 outputs as its plain torch path, token for token, with
+prefix hits, chunked prefill mixed with decodes, and preemption. Tiny models keep the
+interpreter's cost down."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 import pytest
 
 from loraplex.kernels.selection import KERNEL_BACKEND_ENV, kernel_backend
-from loraplex.platform.layers.layer_kernels import TritonLayerKernels
+from loraplex.platform.layers.layer_kernels import CpuLayerKernels, TritonLayerKernels
 from loraplex.platform.llm import LLM
 from loraplex.platform.request import SamplingParams
 
@@ -39,6 +40,8 @@ def generate(folder, backend: str, mode: dict, monkeypatch) -> list[list[int]]:
     assert llm.engine.kernel_backend == backend
     uses_triton = isinstance(llm.engine.runner.model.norm.kernels, TritonLayerKernels)
     assert uses_triton == (backend == "triton")
+    uses_native = isinstance(llm.engine.runner.model.norm.kernels, CpuLayerKernels)
+    assert uses_native == (backend == "cpu")
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate(prompts(512), params)
     llm.engine.kv_cache.check_invariants()
@@ -47,19 +50,21 @@ def generate(folder, backend: str, mode: dict, monkeypatch) -> list[list[int]]:
     return [o.token_ids for o in outputs]
 
 
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_triton_path_equals_torch_path(tiny_model_factory, kind, mode, monkeypatch):
+def test_kernel_path_equals_torch_path(tiny_model_factory, kind, mode, backend, monkeypatch):
+    """Triton kernels (interpreted) and the native CPU kernels each against torch."""
     folder = tiny_model_factory(kind)
     expected = generate(folder, "torch", MODES[mode], monkeypatch)
-    assert generate(folder, "triton", MODES[mode], monkeypatch) == expected
+    assert generate(folder, backend, MODES[mode], monkeypatch) == expected
 
 
 def test_backend_selection(monkeypatch):
     import torch
 
     monkeypatch.delenv(KERNEL_BACKEND_ENV, raising=False)
-    assert kernel_backend(torch.device("cpu")) == "torch"
+    assert kernel_backend(torch.device("cpu")) == "cpu"
     assert kernel_backend(torch.device("cuda", 0)) == "triton"
     monkeypatch.setenv(KERNEL_BACKEND_ENV, "triton")
     assert kernel_backend(torch.device("cpu")) == "triton"

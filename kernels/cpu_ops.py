@@ -1,0 +1,140 @@
+"""Native CPU kernels (csrc/cpu_ops.cpp) behind plain Python functions.
+
+The source is compiled once per machine and torch version with torch's C++ extension
+builder (g++ and ninja; `-O3 -march=native`) into
+`$LORAPLEX_CACHE_DIR/torch_extensions/<name>`, where <name> hashes the source, the
+torch version, the compiler flags and the CPU, so a cache shared between different
+machines never loads code built for another CPU. The first build takes 20-40 s on 2
+cores and logs that it is happening; later processes load the built library in well
+under a second. Concurrent builders wait on torch's lock file in that folder.
+
+`load()` returns False (and logs why, once) when the build is impossible here, e.g.
+no C++ compiler: the engine then runs the plain torch path, which has the same
+semantics. The ops register as torch.ops.loraplex_cpu.*; each function below states
+its semantics and shapes, and tests/kernels/test_cpu_ops.py checks them against the
+torch code they replace.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags (what -march=native compiles for)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    return f"{fields.get('model name', '')}|{fields.get('flags', '')}"
+
+
+def build_name() -> str:
+    """Extension name: changes with the source, torch, the flags and the CPU."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+        digest.update(part)
+    digest.update(_cpu_identity().encode())
+    return f"loraplex_cpu_ops_{digest.hexdigest()[:16]}"
+
+
+def build_root() -> Path:
+    from loraplex.platform.model_files import cache_base
+
+    return cache_base() / "torch_extensions"
+
+
+@functools.cache
+def load() -> bool:
+    """Builds (first time) and loads the ops into this process; True when they are
+    usable. Never raises: a failed build is logged and the torch path stays in use."""
+    try:
+        from torch.utils import cpp_extension
+
+        name = build_name()
+        folder = build_root() / name
+        folder.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        if not any(folder.glob(f"{name}*.so")):
+            logger.info("building native CPU kernels into %s (once per machine, ~30 s)", folder)
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+        logger.info("native CPU kernels ready in %.1f s", time.perf_counter() - started)
+        return True
+    except Exception as error:  # noqa: BLE001 - any build failure means "use the torch path"
+        logger.warning("native CPU kernels unavailable, using the torch path: %s", error)
+        return False
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Semantics: out[d, h] = softmax(scale * q[d, h] . K_d[:, h // G]) @ V_d[:, h // G]
+    over the keys 0 .. seq_lens[d] - 1 of sequence d, each read once where it lies in
+    the cache (no gather). As torch_paged_attention.decode_attention.
+
+    q [D, H, Dh] (contiguous last dim); kv_cache [2, N, Hkv, B, Dh]; block_tables [D, W]
+    int64; seq_lens [D] int64 in 1 .. W * B; out [D, H, Dh] is written and returned."""
+    torch.ops.loraplex_cpu.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, out)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: s = residual + x (rounded to the dtype; x without residual),
+    out = weight * dtype(float(s) / sqrt(mean(float(s)^2) + eps)) -> (out, s).
+    x, residual [T, hidden] contiguous; weight [hidden]. As TorchLayerKernels.rms_norm."""
+    out = torch.empty_like(x)
+    residual_out = None if residual is None else torch.empty_like(x)
+    torch.ops.loraplex_cpu.rms_norm(x, residual, weight, eps, out, residual_out)
+    return out, x if residual_out is None else residual_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Semantics: gate, up = x.chunk(2, -1) -> F.silu(gate) * up (silu rounded to the
+    dtype before the product). x [T, 2I] contiguous -> [T, I]."""
+    return torch.ops.loraplex_cpu.silu_and_mul(x)
+
+
+def rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Semantics: q and k rotated in place as platform/layers/rotary.apply_rotary does,
+    then kv_cache[0 / 1, s // B, :, s % B] = k[t] / v[t] for s = slot_mapping[t] >= 0.
+    q [T, H, Dh], k / v [T, Hkv, Dh] (contiguous last dims); cos / sin [T, Dh/2];
+    kv_cache [2, N, Hkv, B, Dh]; slot_mapping [T] int64."""
+    torch.ops.loraplex_cpu.rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)

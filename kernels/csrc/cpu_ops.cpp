@@ -1,0 +1,602 @@
+// Native CPU kernels for the engine's CPU path, registered as torch.ops.loraplex_cpu.*
+// (built on first use by kernels/cpu_ops.py). Each op has the semantics of the plain
+// torch code it replaces (named per op); tests/kernels/test_cpu_ops.py compares them.
+//
+// Why native code: on a CPU the torch path spends most of a decode step gathering
+// every sequence's K/V blocks into one dense buffer before two batched matmuls, and
+// a prefill step in single-purpose elementwise passes (silu, mul, add, pow, mean...)
+// over tensors far larger than cache. These kernels read each K/V block once where it
+// lies and fuse each elementwise chain into one pass.
+//
+// Floating point: math is fp32 whatever the storage dtype; every place where the torch
+// code rounds to a half-precision dtype rounds here too. The build disables fp
+// contraction (-ffp-contract=off) so fp32 elementwise results match torch bit for bit
+// where both evaluate the same expression.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using at::Tensor;
+
+// Storage <-> fp32. bf16 uses plain bit operations (round to nearest even, NaN kept
+// quiet, as c10::BFloat16 does) so that loops over it vectorize; c10's own conversion
+// is a branchy scalar function.
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+inline uint16_t float_to_bf16_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return (bits & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+}
+
+template <typename T>
+inline float load_f(const T* p) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return bf16_bits_to_float(*reinterpret_cast<const uint16_t*>(p));
+  } else {
+    return static_cast<float>(*p);
+  }
+}
+
+template <typename T>
+inline void store_f(T* p, float value) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    *reinterpret_cast<uint16_t*>(p) = float_to_bf16_bits(value);
+  } else {
+    *p = static_cast<T>(value);
+  }
+}
+
+// Rounds an fp32 value to the storage dtype and back (identity for float).
+template <typename T>
+inline float round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return bf16_bits_to_float(float_to_bf16_bits(x));
+  } else {
+    return static_cast<float>(static_cast<T>(x));
+  }
+}
+
+// exp(x) for x in [-87, 88], vectorizable (no libm call): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r from a degree-6 minimax polynomial, 2^n from the exponent bits.
+// Relative error about 2e-7 (a couple of fp32 ulps).
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// src[0..n) as floats: `src` itself for float, else converted into `tmp`.
+template <typename T>
+inline const float* as_floats(const T* src, float* tmp, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      tmp[i] = load_f(src + i);
+    }
+    return tmp;
+  }
+}
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// ---------------------------------------------------------------- decode attention
+
+// Where one (sequence, kv head) work item reads and writes; shared by both variants.
+template <typename T>
+struct DecodeItem {
+  const float* query;  // [G, Dh] fp32, already scaled
+  const T* k_data;     // K of block 0, kv head 0
+  const T* v_data;
+  const int64_t* table;
+  int64_t len, kv_head, num_kv_heads, block_size, head_dim, groups, score_stride;
+  float* scores;       // [G, score_stride]
+  float* acc;          // [G, Dh]
+  float* block_tmp;    // [B * Dh] conversion buffer
+
+  const T* block_ptr(const T* base, int64_t start) const {
+    const int64_t block = table[start / block_size];
+    return base + (block * num_kv_heads + kv_head) * block_size * head_dim;
+  }
+  // The next block of a sequence lies anywhere in the cache: the hardware prefetcher
+  // cannot guess it, so each pass requests block b + 1 while it works on block b.
+  void prefetch_block(const T* base, int64_t start) const {
+    if (start < len) {
+      const char* p = reinterpret_cast<const char*>(block_ptr(base, start));
+      const int64_t bytes = std::min(block_size, len - start) * head_dim * int64_t(sizeof(T));
+      for (int64_t offset = 0; offset < bytes; offset += 64) {
+        __builtin_prefetch(p + offset, 0, 3);
+      }
+    }
+  }
+};
+
+// Softmax over each query row's first `len` scores, in place; returns nothing but
+// leaves 1 / sum in inv_sum[g].
+inline void softmax_rows(float* scores, int64_t groups, int64_t stride, int64_t len,
+                         float* inv_sum) {
+  for (int64_t g = 0; g < groups; ++g) {
+    float* row = scores + g * stride;
+    float peak = row[0];
+    for (int64_t t = 1; t < len; ++t) {
+      peak = std::max(peak, row[t]);
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = fast_exp(row[t] - peak);
+      sum += row[t];
+    }
+    inv_sum[g] = 1.0f / sum;
+  }
+}
+
+// Portable variant: any head_dim, auto-vectorized loops.
+template <typename T>
+void attend_generic(const DecodeItem<T>& it, float* inv_sum) {
+  const int64_t D = it.head_dim;
+  for (int64_t start = 0; start < it.len; start += it.block_size) {
+    const int64_t rows = std::min(it.block_size, it.len - start);
+    it.prefetch_block(it.k_data, start + it.block_size);
+    const float* keys = as_floats(it.block_ptr(it.k_data, start), it.block_tmp, rows * D);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < it.groups; ++g) {
+        const float* qg = it.query + g * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t e = 0; e < D; ++e) {
+          dot += qg[e] * keys[r * D + e];
+        }
+        it.scores[g * it.score_stride + start + r] = dot;
+      }
+    }
+  }
+  softmax_rows(it.scores, it.groups, it.score_stride, it.len, inv_sum);
+  std::fill(it.acc, it.acc + it.groups * D, 0.0f);
+  for (int64_t start = 0; start < it.len; start += it.block_size) {
+    const int64_t rows = std::min(it.block_size, it.len - start);
+    it.prefetch_block(it.v_data, start + it.block_size);
+    const float* values = as_floats(it.block_ptr(it.v_data, start), it.block_tmp, rows * D);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < it.groups; ++g) {
+        const float p = it.scores[g * it.score_stride + start + r];
+        float* ag = it.acc + g * D;
+#pragma omp simd
+        for (int64_t e = 0; e < D; ++e) {
+          ag[e] += p * values[r * D + e];
+        }
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+// AVX-512 variant for head_dim = 16 * CHUNKS: each K row is loaded once into
+// registers and dotted with all G query rows; each V row is loaded once and added into
+// all G accumulators.
+template <typename T, int CHUNKS>
+void attend_avx512(const DecodeItem<T>& it, float* inv_sum) {
+  constexpr int64_t D = 16 * CHUNKS;
+  for (int64_t start = 0; start < it.len; start += it.block_size) {
+    const int64_t rows = std::min(it.block_size, it.len - start);
+    it.prefetch_block(it.k_data, start + it.block_size);
+    const T* keys = it.block_ptr(it.k_data, start);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 k[CHUNKS];
+      for (int c = 0; c < CHUNKS; ++c) {
+        k[c] = load16(keys + r * D + 16 * c);
+      }
+      for (int64_t g = 0; g < it.groups; ++g) {
+        const float* qg = it.query + g * D;
+        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+        for (int c = 1; c < CHUNKS; ++c) {
+          dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], dot);
+        }
+        it.scores[g * it.score_stride + start + r] = _mm512_reduce_add_ps(dot);
+      }
+    }
+  }
+  softmax_rows(it.scores, it.groups, it.score_stride, it.len, inv_sum);
+  std::fill(it.acc, it.acc + it.groups * D, 0.0f);
+  for (int64_t start = 0; start < it.len; start += it.block_size) {
+    const int64_t rows = std::min(it.block_size, it.len - start);
+    it.prefetch_block(it.v_data, start + it.block_size);
+    const T* values = it.block_ptr(it.v_data, start);
+    for (int64_t g = 0; g < it.groups; ++g) {
+      // One query row at a time keeps its CHUNKS accumulators in registers; the
+      // block's V rows stay in L1 between query rows.
+      __m512 acc[CHUNKS];
+      float* ag = it.acc + g * D;
+      for (int c = 0; c < CHUNKS; ++c) {
+        acc[c] = _mm512_loadu_ps(ag + 16 * c);
+      }
+      const float* probs = it.scores + g * it.score_stride + start;
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 p = _mm512_set1_ps(probs[r]);
+        for (int c = 0; c < CHUNKS; ++c) {
+          acc[c] = _mm512_fmadd_ps(p, load16(values + r * D + 16 * c), acc[c]);
+        }
+      }
+      for (int c = 0; c < CHUNKS; ++c) {
+        _mm512_storeu_ps(ag + 16 * c, acc[c]);
+      }
+    }
+  }
+}
+#endif
+
+template <typename T>
+void attend(const DecodeItem<T>& it, float* inv_sum) {
+#if defined(__AVX512F__)
+  switch (it.head_dim) {
+    case 64:
+      return attend_avx512<T, 4>(it, inv_sum);
+    case 128:
+      return attend_avx512<T, 8>(it, inv_sum);
+    default:
+      break;
+  }
+#endif
+  attend_generic(it, inv_sum);
+}
+
+template <typename T>
+void decode_attention_kernel(
+    const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+    const Tensor& seq_lens, double scale, Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), num_kv_heads = kv_cache.size(2);
+  const int64_t block_size = kv_cache.size(3);
+  const int64_t groups = num_heads / num_kv_heads, width = block_tables.size(1);
+  const int64_t q_seq_stride = q.stride(0), q_head_stride = q.stride(1);
+  const int64_t out_seq_stride = out.stride(0), out_head_stride = out.stride(1);
+  const int64_t block_elems = block_size * head_dim;
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = kv_cache.data_ptr<T>();
+  const T* v_data = k_data + num_blocks * num_kv_heads * block_elems;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  T* out_data = out.data_ptr<T>();
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= width * block_size,
+                "seq_lens[", s, "] = ", lens[s], " outside 1..", width * block_size);
+    max_len = std::max(max_len, lens[s]);
+  }
+  const float fscale = static_cast<float>(scale);
+  // One work item = one (sequence, kv head): its G query heads share every K/V row.
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(groups * head_dim), acc(groups * head_dim);
+    std::vector<float> scores(groups * max_len), block_tmp(block_elems), inv_sum(groups);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      for (int64_t g = 0; g < groups; ++g) {
+        const T* src = q_data + seq * q_seq_stride + (kv_head * groups + g) * q_head_stride;
+        for (int64_t e = 0; e < head_dim; ++e) {
+          query[g * head_dim + e] = load_f(src + e) * fscale;
+        }
+      }
+      const DecodeItem<T> it{query.data(), k_data, v_data, tables + seq * width, lens[seq],
+                             kv_head, num_kv_heads, block_size, head_dim, groups, max_len,
+                             scores.data(), acc.data(), block_tmp.data()};
+      attend(it, inv_sum.data());
+      for (int64_t g = 0; g < groups; ++g) {
+        T* dst = out_data + seq * out_seq_stride + (kv_head * groups + g) * out_head_stride;
+        for (int64_t e = 0; e < head_dim; ++e) {
+          store_f(dst + e, acc[g * head_dim + e] * inv_sum[g]);
+        }
+      }
+    }
+  });
+}
+
+// Semantics: out[d, h] = softmax(scale * q[d, h] . K_d[:, h // G]) @ V_d[:, h // G] over
+// keys 0 .. seq_lens[d] - 1 of sequence d, read through block_tables[d].
+// q [D, H, Dh] (last dim contiguous, any row / head stride); kv_cache [2, N, Hkv, B, Dh]
+// contiguous; block_tables [D, W] int64; seq_lens [D] int64 in 1 .. W * B;
+// out [D, H, Dh] (last dim contiguous), written in place.
+// Torch equivalent: kernels/torch_paged_attention.py decode_attention.
+void paged_decode_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+                            const Tensor& seq_lens, double scale, Tensor out) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 &&
+                  seq_lens.dim() == 1,
+              "expected q [D, H, Dh], kv_cache [2, N, Hkv, B, Dh], block_tables [D, W], "
+              "seq_lens [D]");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need a contiguous last dim");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, kv_cache and out must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_tables and seq_lens must be int64");
+  TORCH_CHECK(q.size(1) % kv_cache.size(2) == 0, "query heads not a multiple of kv heads");
+  TORCH_CHECK(q.size(2) == kv_cache.size(4) && out.sizes() == q.sizes(), "shape mismatch");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "one block table row and one length per query");
+  if (q.size(0) == 0) {
+    return;
+  }
+  const Tensor tables = block_tables.contiguous();
+  const Tensor lens = seq_lens.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_attention_kernel<scalar_t>(q, kv_cache, tables, lens, scale, out);
+  });
+}
+
+// ---------------------------------------------------------------- RMSNorm + residual
+
+template <typename T>
+void rms_norm_kernel(const Tensor& x, const T* residual, const Tensor& weight, double eps,
+                     Tensor& out, T* residual_out) {
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const T* x_data = x.data_ptr<T>();
+  const T* w_data = weight.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(hidden), w(hidden);
+    for (int64_t i = 0; i < hidden; ++i) {
+      w[i] = load_f(w_data + i);
+    }
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = x_data + row * hidden;
+      float squares = 0.0f;
+      if (residual != nullptr) {
+        const T* rr = residual + row * hidden;
+        T* ro = residual_out + row * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) {
+          const float sum = round_to<T>(load_f(rr + i) + load_f(xr + i));
+          store_f(ro + i, sum);
+          h[i] = sum;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) {
+          h[i] = load_f(xr + i);
+        }
+      }
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < hidden; ++i) {
+        squares += h[i] * h[i];
+      }
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + feps);
+      T* o = out_data + row * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) {
+        store_f(o + i, w[i] * round_to<T>(h[i] * inv));
+      }
+    }
+  });
+}
+
+// Semantics (the torch reference: TorchLayerKernels.rms_norm):
+//   s = residual + x (rounded to the dtype; s = x without residual), h = float(s),
+//   out = weight * dtype(h / sqrt(mean(h^2) + eps)),  residual_out = s
+// x, residual, out, residual_out [T, hidden] contiguous, weight [hidden]; one dtype.
+// residual_out is required exactly when residual is given.
+void rms_norm(const Tensor& x, const c10::optional<Tensor>& residual, const Tensor& weight,
+              double eps, Tensor out, c10::optional<Tensor> residual_out) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, hidden] tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "weight must be [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+  const auto matches_x = [&](const Tensor& t) {
+    return t.sizes() == x.sizes() && t.is_contiguous() && t.scalar_type() == x.scalar_type();
+  };
+  TORCH_CHECK(matches_x(out), "out must match x");
+  const bool has_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(has_residual == (residual_out.has_value() && residual_out->defined()),
+              "residual_out is required exactly when residual is given");
+  if (has_residual) {
+    TORCH_CHECK(matches_x(*residual) && matches_x(*residual_out), "residual must match x");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x, has_residual ? residual->data_ptr<scalar_t>() : nullptr, weight,
+                              eps, out,
+                              has_residual ? residual_out->data_ptr<scalar_t>() : nullptr);
+  });
+}
+
+// ---------------------------------------------------------------- SiLU and mul
+
+template <typename T>
+void silu_and_mul_kernel(const Tensor& x, Tensor& out) {
+  const int64_t rows = x.size(0), width = out.size(1);
+  const T* x_data = x.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate_tmp(width), up_tmp(width);
+    for (int64_t row = begin; row < end; ++row) {
+      const float* gate = as_floats(x_data + row * 2 * width, gate_tmp.data(), width);
+      const float* up = as_floats(x_data + row * 2 * width + width, up_tmp.data(), width);
+      T* o = out_data + row * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const float silu = round_to<T>(gate[i] / (1.0f + fast_exp(-gate[i])));
+        store_f(o + i, silu * up[i]);
+      }
+    }
+  });
+}
+
+// Semantics: gate, up = x.chunk(2, -1); out = silu(gate) * up with silu rounded to the
+// dtype first (F.silu(gate) * up). x [T, 2I] contiguous -> out [T, I].
+Tensor silu_and_mul(const Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "x must be a contiguous [T, 2I] tensor");
+  Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_kernel<scalar_t>(x, out);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- rotary + KV write
+
+template <typename T>
+inline void rotate_head(T* x, const float* cos, const float* sin, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = load_f(x + i), x2 = load_f(x + i + half);
+    const float first = round_to<T>(x1 * cos[i]) - round_to<T>(x2 * sin[i]);
+    const float second = round_to<T>(x2 * cos[i]) + round_to<T>(x1 * sin[i]);
+    store_f(x + i, first);
+    store_f(x + i + half, second);
+  }
+}
+
+template <typename T>
+void rotary_write_kv_kernel(Tensor& q, Tensor& k, const Tensor& v, const Tensor& cos,
+                            const Tensor& sin, Tensor& kv_cache, const Tensor& slots) {
+  const int64_t tokens = q.size(0), num_heads = q.size(1), num_kv_heads = k.size(1);
+  const int64_t head_dim = q.size(2), half = head_dim / 2;
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(3);
+  T* q_data = q.data_ptr<T>();
+  T* k_data = k.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
+  const T* cos_data = cos.data_ptr<T>();
+  const T* sin_data = sin.data_ptr<T>();
+  T* cache = kv_cache.data_ptr<T>();
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  const int64_t value_offset = num_blocks * num_kv_heads * block_size * head_dim;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(half), s(half);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        c[i] = load_f(cos_data + t * cos.stride(0) + i);
+        s[i] = load_f(sin_data + t * sin.stride(0) + i);
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        rotate_head(q_data + t * q.stride(0) + h * q.stride(1), c.data(), s.data(), half);
+      }
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        rotate_head(k_data + t * k.stride(0) + h * k.stride(1), c.data(), s.data(), half);
+      }
+      const int64_t slot = slot_data[t];
+      if (slot < 0) {
+        continue;
+      }
+      const int64_t block = slot / block_size, row = slot % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t dst = ((block * num_kv_heads + h) * block_size + row) * head_dim;
+        std::memcpy(cache + dst, k_data + t * k.stride(0) + h * k.stride(1),
+                    head_dim * sizeof(T));
+        std::memcpy(cache + value_offset + dst, v_data + t * v.stride(0) + h * v.stride(1),
+                    head_dim * sizeof(T));
+      }
+    }
+  });
+}
+
+// Semantics: in place, for each token t and head, with x1 / x2 the halves of the head
+// and c = cos[t], s = sin[t] (rounded products, as in platform/layers/rotary.py):
+//   x <- cat(x1 * c - x2 * s, x2 * c + x1 * s)   for every head of q[t] and k[t]
+// then (slot = slot_mapping[t] >= 0) kv_cache[0, slot // B, :, slot % B] = k[t] (rotated)
+// and kv_cache[1, slot // B, :, slot % B] = v[t]; a negative slot skips the write.
+// q [T, H, Dh], k / v [T, Hkv, Dh] with contiguous last dims (views into the fused qkv
+// output are fine); cos / sin [T, Dh/2] (any row stride); kv_cache [2, N, Hkv, B, Dh]
+// contiguous; slot_mapping [T] int64.
+void rotary_write_kv(Tensor q, Tensor k, const Tensor& v, const Tensor& cos, const Tensor& sin,
+                     Tensor kv_cache, const Tensor& slot_mapping) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5,
+              "expected q [T, H, Dh], k / v [T, Hkv, Dh], kv_cache [2, N, Hkv, B, Dh]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && cos.stride(1) == 1 &&
+                  sin.stride(1) == 1,
+              "q, k, v, cos and sin need a contiguous last dim");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "q / k / v shapes disagree");
+  TORCH_CHECK(kv_cache.size(2) == k.size(1) && kv_cache.size(4) == k.size(2),
+              "kv_cache heads / head_dim disagree with k");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == q.size(0) &&
+                  cos.size(1) * 2 == q.size(2),
+              "cos / sin must be [T, Dh/2]");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == q.size(0) &&
+                  slot_mapping.scalar_type() == at::kLong,
+              "slot_mapping must be [T] int64");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype &&
+                  cos.scalar_type() == dtype && sin.scalar_type() == dtype &&
+                  kv_cache.scalar_type() == dtype,
+              "q, k, v, cos, sin and kv_cache must share a dtype");
+  const Tensor slots = slot_mapping.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "rotary_write_kv", [&] {
+    rotary_write_kv_kernel<scalar_t>(q, k, v, cos, sin, kv_cache, slots);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loraplex_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor(a!) out, "
+        "Tensor(b!)? residual_out) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, "
+        "Tensor(c!) kv_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_write_kv", &rotary_write_kv);
+}

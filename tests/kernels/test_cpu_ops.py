@@ -1,0 +1,161 @@
+"""Native CPU kernels (kernels/cpu_ops.py) against the torch code they replace and the
+float64 attention oracle.
+
+The build must succeed here: this machine and CI have g++, so a failed build is a test
+failure, not a skip. Attention covers the AVX-512 head sizes (64, 128) and the
+portable loop (24), GQA groups 1 / 3 / 8, block sizes 1 / 16 / 32, length 1 and block
+edges; unwritten cache slots hold NaN, so a read past a sequence's length shows.
+Elementwise ops: fp32 within 1e-6 (rotary bit for bit: same expression, no fp
+contraction), bf16 / fp16 within one ulp of values of order 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.kernels import cpu_ops
+from loraplex.kernels.torch_paged_attention import reference_paged_attention, write_kv
+from loraplex.platform.layers.layer_kernels import get_layer_kernels
+from loraplex.platform.layers.rotary import apply_rotary
+
+torch_kernels = get_layer_kernels("torch")
+HALF = [torch.bfloat16, torch.float16]
+ULP = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_ops.load(), "the native CPU kernels did not build (see the log)"
+
+
+def paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype, gen):
+    """A NaN-filled cache where only each sequence's first seq_lens[s] slots hold
+    values, through shuffled block tables -> (cache, tables [S, W])."""
+    width = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = width * len(seq_lens) + 3
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
+    cache = torch.full(shape, float("nan"), dtype=dtype)
+    tables = []
+    for seq_len in seq_lens:
+        count = -(-seq_len // block_size)
+        table, pool = pool[:count], pool[count:]
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        )
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        write_kv(cache, k, v, slots)
+        tables.append(table + [0] * (width - count))
+    return cache, torch.tensor(tables, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(9, 3, 64), (4, 4, 64), (8, 1, 128), (6, 2, 24)],
+    ids=["gqa3-d64", "mha-d64", "gqa8-d128", "gqa3-d24"],
+)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode_attention_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(block_size * 7 + head_dim)
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 50]
+    cache, tables = paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype, gen)
+    # q as a strided view into a wider fused projection output, as the engine passes it.
+    fused = torch.randn(len(seq_lens), num_heads + 2, head_dim, generator=gen).to(dtype)
+    q = fused[:, :num_heads]
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    scale = head_dim**-0.5
+    cpu_ops.paged_decode_attention(
+        q, cache, tables, torch.tensor(seq_lens, dtype=torch.int64), scale, out
+    )
+    rows = [t[: -(-n // block_size)] for t, n in zip(tables.tolist(), seq_lens, strict=True)]
+    expected = reference_paged_attention(q, cache, rows, seq_lens, [1] * len(seq_lens), scale)
+    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+
+
+def test_decode_attention_rejects_bad_lengths():
+    gen = torch.Generator().manual_seed(0)
+    cache, tables = paged_cache([5], 1, 64, 4, torch.float32, gen)
+    q = torch.randn(1, 2, 64)
+    for bad in (0, tables.shape[1] * 4 + 1):
+        with pytest.raises(RuntimeError, match="seq_lens"):
+            cpu_ops.paged_decode_attention(
+                q, cache, tables, torch.tensor([bad]), 0.1, torch.empty_like(q)
+            )
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_ops.paged_decode_attention(
+            q.double(), cache, tables, torch.tensor([5]), 0.1, torch.empty_like(q.double())
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("hidden", [1, 100, 576])
+def test_rms_norm_matches_torch_path(dtype, with_residual, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(37, hidden, generator=gen).to(dtype) if with_residual else None
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    out, new_residual = cpu_ops.rms_norm(x, residual, weight, 1e-5)
+    expected, expected_residual = torch_kernels.rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, expected_residual)
+    # bf16 / fp16: the normalized value is rounded once before the weight product, so
+    # one ulp there becomes up to |weight| ulps in the output.
+    tol = ULP[dtype] * (1 if dtype == torch.float32 else 4)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_silu_and_mul_matches_torch_path(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(33, 2 * 70, generator=gen) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    out = cpu_ops.silu_and_mul(x)
+    expected = torch_kernels.silu_and_mul(x)
+    assert out.shape == (33, 70) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=ULP[dtype], rtol=ULP[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_rotary_write_kv_matches_torch_path(dtype):
+    gen = torch.Generator().manual_seed(2)
+    tokens, num_heads, num_kv_heads, head_dim, block_size = 11, 6, 2, 32, 4
+    fused = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q, k, v = fused.to(dtype).split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
+    q = q.view(tokens, num_heads, head_dim)
+    k = k.view(tokens, num_kv_heads, head_dim)
+    v = v.view(tokens, num_kv_heads, head_dim)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(5 * block_size, generator=gen)[:tokens]
+    slots[3] = -1
+    expected_cache = torch.zeros(2, 5, num_kv_heads, block_size, head_dim, dtype=dtype)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    keep = slots >= 0
+    write_kv(expected_cache, expected_k[keep], v[keep], slots[keep])
+    cache = torch.zeros_like(expected_cache)
+    cpu_ops.rotary_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), cache, slots)
+    assert torch.equal(q, expected_q)
+    assert torch.equal(k, expected_k)
+    assert torch.equal(cache, expected_cache)
+
+
+def test_cpu_layer_kernels_are_the_default_on_cpu(monkeypatch):
+    from loraplex.kernels.selection import KERNEL_BACKEND_ENV, kernel_backend
+
+    monkeypatch.delenv(KERNEL_BACKEND_ENV, raising=False)
+    assert kernel_backend(torch.device("cpu")) == "cpu"
+    monkeypatch.setenv(KERNEL_BACKEND_ENV, "torch")
+    assert kernel_backend(torch.device("cpu")) == "torch"
+
+
+def test_build_name_tracks_source_and_cpu(monkeypatch):
+    name = cpu_ops.build_name()
+    assert name.startswith("loraplex_cpu_ops_")
+    monkeypatch.setattr(cpu_ops, "_cpu_identity", lambda: "another cpu")
+    assert cpu_ops.build_name() != name

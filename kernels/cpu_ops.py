@@ -88,6 +88,14 @@ def load() -> bool:
         return False
 
 
+def _ops():
+    """torch.ops.loraplex_cpu, built and loaded on first use; RuntimeError when the build
+    is impossible here (callers pick the 'cpu' backend only after `load()` succeeded)."""
+    if not load():
+        raise RuntimeError("the native CPU kernels could not be built (see the log)")
+    return torch.ops.loraplex_cpu
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -102,7 +110,7 @@ def paged_decode_attention(
 
     q [D, H, Dh] (contiguous last dim); kv_cache [2, N, Hkv, B, Dh]; block_tables [D, W]
     int64; seq_lens [D] int64 in 1 .. W * B; out [D, H, Dh] is written and returned."""
-    torch.ops.loraplex_cpu.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, out)
+    _ops().paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, out)
     return out
 
 
@@ -114,14 +122,14 @@ def rms_norm(
     x, residual [T, hidden] contiguous; weight [hidden]. As TorchLayerKernels.rms_norm."""
     out = torch.empty_like(x)
     residual_out = None if residual is None else torch.empty_like(x)
-    torch.ops.loraplex_cpu.rms_norm(x, residual, weight, eps, out, residual_out)
+    _ops().rms_norm(x, residual, weight, eps, out, residual_out)
     return out, x if residual_out is None else residual_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Semantics: gate, up = x.chunk(2, -1) -> F.silu(gate) * up (silu rounded to the
     dtype before the product). x [T, 2I] contiguous -> [T, I]."""
-    return torch.ops.loraplex_cpu.silu_and_mul(x)
+    return _ops().silu_and_mul(x)
 
 
 def rotary_write_kv(
@@ -137,4 +145,23 @@ def rotary_write_kv(
     then kv_cache[0 / 1, s // B, :, s % B] = k[t] / v[t] for s = slot_mapping[t] >= 0.
     q [T, H, Dh], k / v [T, Hkv, Dh] (contiguous last dims); cos / sin [T, Dh/2];
     kv_cache [2, N, Hkv, B, Dh]; slot_mapping [T] int64."""
-    torch.ops.loraplex_cpu.rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)
+    _ops().rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)
+
+
+def lora_bgmv(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slot_ranks: torch.Tensor | None,
+    num_slices: int,
+) -> None:
+    """Semantics (per token, see kernels/lora.py): with s = token_slots[t] >= 0 and
+    w = min(R, num_slices * slot_ranks[s]) (R without slot_ranks):
+        out[t] += dtype(lora_b[s, :, :w] @ (lora_a[s, :w] @ x[t]))
+    x [T, in], out [T, out] (model dtype); lora_a [L, R, in] fp32; lora_b [L, out, R]
+    fp32 stored rank-major (lora_b.stride(1) == 1); token_slots [T] int64, -1 = none;
+    slot_ranks [L] int64 or None. In place on `out`."""
+    ranks = slot_ranks if slot_ranks is not None else token_slots.new_empty(0)
+    _ops().lora_bgmv(out, x, lora_a, lora_b, token_slots, ranks, num_slices)

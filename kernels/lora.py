@@ -1,6 +1,6 @@
 """Batched multi-LoRA compute for one projection: every token of a step may use a
-different adapter. The torch path (CPU) lives here; Triton kernels sit in
-`triton_lora.py` and are picked on CUDA (see `kernels/selection.py`).
+different adapter. The torch path lives here; Triton kernels sit in `triton_lora.py`
+(picked on CUDA) and the native CPU kernel in `cpu_ops.py` (see `kernels/selection.py`).
 
 Stacked weights of one projection (written by the adapter slot manager):
 
@@ -59,6 +59,8 @@ class LoRABatch:
     """Rank of the adapter in each slot, when known: a projection with S slices then
     only has nonzero columns [0, S * rank) in that slot, and the torch path skips the
     rest. None: use every column."""
+    slot_rank_tensor: torch.Tensor | None = None
+    """`slot_ranks` as an int64 tensor (what the native CPU kernel reads)."""
 
     @classmethod
     def from_token_slots(
@@ -86,6 +88,11 @@ class LoRABatch:
             seg_slots=as_int32([slot for _, _, slot in prefill]),
             max_seg_len=max((e - s for s, e, _ in prefill), default=0),
             slot_ranks=tuple(slot_ranks) if slot_ranks is not None else None,
+            slot_rank_tensor=(
+                torch.tensor(list(slot_ranks), dtype=torch.int64, device=device)
+                if slot_ranks is not None
+                else None
+            ),
         )
 
     @property
@@ -123,30 +130,79 @@ def torch_add_lora(
     batch: LoRABatch,
     num_slices: int = 1,
 ) -> None:
-    """CPU path: segment-grouped matmuls (SGMV in plain torch). Decodes are segments
-    too, since the runner sorts them by slot: on a CPU, gathering each token's A and B
-    (BGMV) costs more memory traffic than the base weights.
+    """Plain torch path: segment-grouped matmuls (SGMV in plain torch) for every token.
+    Decodes are segments too, since the runner sorts them by slot."""
+    segment_matmuls(out, x, lora_a, lora_b, batch.segments, batch.slot_ranks, num_slices)
 
-    Adjacent segments of equal length and width (round-robin decodes) run as one
-    batched shrink and one batched expand; a lone segment as two matmuls. With
-    `batch.slot_ranks`, only a slot's first num_slices * rank columns are read. The
+
+def cpu_add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    batch: LoRABatch,
+    num_slices: int = 1,
+) -> None:
+    """Native CPU path: decode tokens through the per-token kernel (kernels/cpu_ops.py
+    `lora_bgmv`: a few rows per adapter leave batched matmuls nothing but call
+    overhead, measured 82 us per bmm), prefill chunks through segment matmuls."""
+    from loraplex.kernels import cpu_ops
+
+    decodes = batch.num_decode_tokens
+    if decodes:
+        cpu_ops.lora_bgmv(
+            out[:decodes],
+            x[:decodes],
+            lora_a,
+            lora_b,
+            batch.token_slots[:decodes],
+            batch.slot_rank_tensor,
+            num_slices,
+        )
+    prefill = tuple(segment for segment in batch.segments if segment[0] >= decodes)
+    segment_matmuls(out, x, lora_a, lora_b, prefill, batch.slot_ranks, num_slices)
+
+
+def segment_matmuls(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    segments: tuple[tuple[int, int, int], ...],
+    ranks: tuple[int, ...] | None,
+    num_slices: int,
+) -> None:
+    """out += delta over `segments` (start, end, slot) with plain torch matmuls.
+
+    Adjacent segments of equal length and width (round-robin decodes, equal prefill
+    chunks) run as one batched shrink and one batched expand; a lone segment as two
+    matmuls. With `ranks`, only a slot's first num_slices * rank columns are read. The
     stacks may be wider than x (fp32 slots for a bf16 model): x is widened and the
     delta rounded once, when it is added."""
-    ranks = batch.slot_ranks
     width = lora_a.shape[1]
-    for group in _adjacent_equal_segments(batch.segments, ranks, num_slices, width):
+    for group in _adjacent_equal_segments(segments, ranks, num_slices, width):
         first, last = group[0], group[-1]
         used = _used_width(first[2], ranks, num_slices, width)
         length = first[1] - first[0]
         tokens = slice(first[0], last[1])
         x_group = x[tokens].to(lora_a.dtype)
+        accumulate = out.dtype == lora_b.dtype and not _lacks_half_matmul(out)
         if len(group) == 1:
             y = _matmul_t(x_group, lora_a[first[2], :used])
-            delta = _matmul_t(y, lora_b[first[2], :, :used])
+            b = lora_b[first[2], :, :used]
+            if accumulate:
+                out[tokens].addmm_(y, b.T)
+                continue
+            delta = _matmul_t(y, b)
         else:
             a, b = _group_weights(lora_a, lora_b, [slot for _, _, slot in group], used)
             x_batched = x_group.reshape(len(group), length, -1)
             y = torch.bmm(x_batched, a.transpose(1, 2))
+            if accumulate:
+                # The expand adds into `out` in place: no [tokens, out] delta to write
+                # and read back (the prefill expand is memory-bound).
+                out[tokens].view(len(group), length, -1).baddbmm_(y, b.transpose(1, 2))
+                continue
             delta = torch.bmm(y, b.transpose(1, 2)).flatten(0, 1)
         out[tokens] += delta.to(out.dtype)
 
@@ -190,6 +246,12 @@ def _adjacent_equal_segments(
     return groups
 
 
+def _lacks_half_matmul(out: torch.Tensor) -> bool:
+    from loraplex.platform.layers.linear import cpu_lacks_half_matmul
+
+    return out.device.type == "cpu" and cpu_lacks_half_matmul(out.dtype)
+
+
 def _matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T, with the projections' fp32 widening on CPUs lacking half matmul."""
     from loraplex.platform.layers.linear import linear
@@ -221,7 +283,7 @@ def triton_add_lora(
         triton_lora.sgmv_expand(y, lora_b, *segs, out)
 
 
-_BACKENDS = {"torch": torch_add_lora, "cpu": torch_add_lora, "triton": triton_add_lora}
+_BACKENDS = {"torch": torch_add_lora, "cpu": cpu_add_lora, "triton": triton_add_lora}
 
 
 def add_lora(

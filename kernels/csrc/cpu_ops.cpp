@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -582,6 +583,123 @@ void rotary_write_kv(Tensor q, Tensor k, const Tensor& v, const Tensor& cos, con
   });
 }
 
+// ---------------------------------------------------------------- LoRA (BGMV)
+
+// Tokens expanded together: they share each B column load (decodes are sorted by
+// slot, so runs of one slot are common). kChunk output columns of kTokens tokens are
+// accumulated in registers over the rank.
+constexpr int64_t kLoraTokens = 8;
+constexpr int64_t kLoraChunk = 32;
+
+template <typename T>
+void lora_bgmv_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
+                      const int64_t* slots, const int64_t* ranks, int64_t num_slices) {
+  const int64_t tokens = x.size(0), in_features = x.size(1), out_features = out.size(1);
+  const int64_t width = lora_a.size(1);
+  const T* x_data = x.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  const float* a_data = lora_a.data_ptr<float>();
+  const float* b_data = lora_b.data_ptr<float>();
+  const int64_t a_slot = lora_a.stride(0), a_row = lora_a.stride(1);
+  const int64_t b_slot = lora_b.stride(0), b_col = lora_b.stride(2);
+  // Work items: runs of up to kLoraTokens consecutive tokens with one slot >= 0.
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t t = 0; t < tokens;) {
+    int64_t end = t + 1;
+    while (end < tokens && end - t < kLoraTokens && slots[end] == slots[t]) {
+      ++end;
+    }
+    if (slots[t] >= 0) {
+      runs.emplace_back(t, end);
+    }
+    t = end;
+  }
+  at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x_tmp(in_features), y(kLoraTokens * width);
+    for (int64_t run = begin; run < end; ++run) {
+      const auto [first, last] = runs[run];
+      const int64_t count = last - first, slot = slots[first];
+      const int64_t used =
+          ranks == nullptr ? width : std::min(width, num_slices * ranks[slot]);
+      for (int64_t i = 0; i < count; ++i) {
+        const float* xt =
+            as_floats(x_data + (first + i) * x.stride(0), x_tmp.data(), in_features);
+        for (int64_t r = 0; r < used; ++r) {
+          const float* row = a_data + slot * a_slot + r * a_row;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t k = 0; k < in_features; ++k) {
+            dot += row[k] * xt[k];
+          }
+          y[i * width + r] = dot;
+        }
+      }
+      const float* b_slot_data = b_data + slot * b_slot;
+      for (int64_t o0 = 0; o0 < out_features; o0 += kLoraChunk) {
+        const int64_t n = std::min(kLoraChunk, out_features - o0);
+        float acc[kLoraTokens][kLoraChunk] = {};
+        for (int64_t r = 0; r < used; ++r) {
+          const float* column = b_slot_data + r * b_col + o0;  // B[slot, o0 :, r]
+          for (int64_t i = 0; i < count; ++i) {
+            const float yr = y[i * width + r];
+#pragma omp simd
+            for (int64_t j = 0; j < n; ++j) {
+              acc[i][j] += yr * column[j];
+            }
+          }
+        }
+        for (int64_t i = 0; i < count; ++i) {
+          T* ot = out_data + (first + i) * out.stride(0) + o0;
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) {
+            store_f(ot + j, round_to<T>(load_f(ot + j) + round_to<T>(acc[i][j])));
+          }
+        }
+      }
+    }
+  });
+}
+
+// Semantics (kernels/lora.py, per token): for each t with s = token_slots[t] >= 0 and
+// w = min(R, num_slices * slot_ranks[s]) (w = R when slot_ranks is empty):
+//   y = lora_a[s, :w] @ x[t];   out[t] += dtype(lora_b[s, :, :w] @ y)
+// x [T, in] and out [T, out] in the model dtype (contiguous last dims); lora_a
+// [L, R, in] fp32 with a contiguous last dim; lora_b [L, out, R] fp32 stored rank-major
+// (stride(1) == 1: each column B[s, :, r] is contiguous); token_slots [T] int64,
+// slot_ranks [L] int64 or empty. `out` is updated in place.
+void lora_bgmv(Tensor out, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
+               const Tensor& token_slots, const Tensor& slot_ranks, int64_t num_slices) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3,
+              "expected x [T, in], out [T, out], lora_a [L, R, in], lora_b [L, out, R]");
+  TORCH_CHECK(x.size(0) == out.size(0) && token_slots.numel() == x.size(0),
+              "x, out and token_slots disagree on the token count");
+  TORCH_CHECK(lora_a.size(2) == x.size(1) && lora_b.size(1) == out.size(1) &&
+                  lora_a.size(1) == lora_b.size(2) && lora_a.size(0) == lora_b.size(0),
+              "lora_a / lora_b shapes disagree with x / out");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && lora_a.stride(2) == 1,
+              "x, out and lora_a need a contiguous last dim");
+  TORCH_CHECK(lora_b.stride(1) == 1, "lora_b must be stored rank-major (stride(1) == 1)");
+  TORCH_CHECK(lora_a.scalar_type() == at::kFloat && lora_b.scalar_type() == at::kFloat,
+              "lora_a and lora_b must be float32");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out must share a dtype");
+  TORCH_CHECK(token_slots.scalar_type() == at::kLong && slot_ranks.scalar_type() == at::kLong,
+              "token_slots and slot_ranks must be int64");
+  const bool has_ranks = slot_ranks.numel() > 0;
+  TORCH_CHECK(!has_ranks || slot_ranks.numel() == lora_a.size(0), "one rank per slot");
+  const Tensor slots = token_slots.contiguous();
+  const Tensor ranks = slot_ranks.contiguous();
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t) {
+    TORCH_CHECK(slot_data[t] < lora_a.size(0), "token_slots[", t, "] = ", slot_data[t],
+                " but there are ", lora_a.size(0), " slots");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_bgmv", [&] {
+    lora_bgmv_kernel<scalar_t>(out, x, lora_a, lora_b, slot_data,
+                               has_ranks ? ranks.data_ptr<int64_t>() : nullptr, num_slices);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loraplex_cpu, m) {
@@ -592,6 +710,8 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(c!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("lora_bgmv(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, "
+        "Tensor token_slots, Tensor slot_ranks, int num_slices) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
@@ -599,4 +719,5 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_write_kv", &rotary_write_kv);
+  m.impl("lora_bgmv", &lora_bgmv);
 }

@@ -22,7 +22,9 @@ class LoRAStack:
     a: torch.Tensor
     """[max_loras, num_slices * max_rank, in_features]"""
     b: torch.Tensor
-    """[max_loras, out_features, num_slices * max_rank]"""
+    """[max_loras, out_features, num_slices * max_rank]; on the 'cpu' backend a view of
+    rank-major storage [max_loras, width, out_features] (each column B[l, :, r] is
+    contiguous, as the native kernel reads it)."""
     num_slices: int
     backend: str
     """kernels/lora.py backend name: 'torch', 'cpu' or 'triton'."""
@@ -40,9 +42,14 @@ class LoRAStack:
         backend: str,
     ) -> LoRAStack:
         width = num_slices * max_rank
+        if backend == "cpu":
+            b = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
+            b = b.transpose(1, 2)
+        else:
+            b = torch.zeros(max_loras, out_features, width, dtype=dtype, device=device)
         return cls(
             a=torch.zeros(max_loras, width, in_features, dtype=dtype, device=device),
-            b=torch.zeros(max_loras, out_features, width, dtype=dtype, device=device),
+            b=b,
             num_slices=num_slices,
             backend=backend,
         )

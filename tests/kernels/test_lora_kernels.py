@@ -1,5 +1,6 @@
-"""Triton multi-LoRA kernels (BGMV / SGMV shrink and expand) and the torch path, both
-against the slow fp32 reference of `kernels/lora.py`, over adapter-popularity patterns,
+"""Triton multi-LoRA kernels (BGMV / SGMV shrink and expand), the torch path and the
+native CPU path (per-token kernel for decodes, fp32 rank-major slots), each against
+the slow fp32 reference of `kernels/lora.py`, over adapter-popularity patterns,
 mixed ranks, fused projections, batch kinds and edge cases.
 
 Off CUDA the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1),
@@ -24,6 +25,7 @@ import torch
 from loraplex.kernels import triton_lora
 from loraplex.kernels.lora import (
     LoRABatch,
+    cpu_add_lora,
     reference_expand,
     reference_shrink,
     torch_add_lora,
@@ -118,6 +120,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
 
 
+def rank_major_fp32(lora_b: torch.Tensor) -> torch.Tensor:
+    """lora_b as the 'cpu' backend stores it: fp32, each column B[l, :, r] contiguous."""
+    return lora_b.float().transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def check_add_lora(
     slots: list[int],
     num_decode_tokens: int,
@@ -144,6 +151,11 @@ def check_add_lora(
     assert_close(via_triton, via_torch, dtype)
     base = batch.token_slots < 0
     assert torch.equal(via_triton[base], out[base]), "base-model rows must stay untouched"
+    if DEVICE.type == "cpu":
+        via_cpu = out.clone()
+        cpu_add_lora(via_cpu, x, lora_a.float(), rank_major_fp32(lora_b), batch)
+        assert_close(via_cpu, expected, dtype)
+        assert torch.equal(via_cpu[base], out[base])
     return expected
 
 
@@ -330,7 +342,7 @@ def test_sgmv_segment_without_slot_is_inert() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_ranks", [False, True])
 def test_torch_path_with_fp32_slots_for_a_half_model(dtype: torch.dtype, with_ranks: bool) -> None:
-    """The engine keeps torch-path slots in fp32 for half models. Adjacent equal-length
+    """The engine keeps torch- and cpu-path slots in fp32 for half models. Adjacent equal-length
     segments (one batched matmul pair) and lone ones (two matmuls) both equal the
     reference, with or without trimming each slot to its rank."""
     lora_a, lora_b = make_weights(torch.float32)
@@ -341,8 +353,9 @@ def test_torch_path_with_fp32_slots_for_a_half_model(dtype: torch.dtype, with_ra
     expected = reference_expand(
         reference_shrink(x, lora_a, batch.token_slots), lora_b, batch.token_slots, out
     )
-    got = out.clone()
-    torch_add_lora(got, x, lora_a, lora_b, batch)
-    assert got.dtype == dtype
-    assert_close(got, expected, dtype)
-    assert torch.equal(got[batch.token_slots < 0], out[batch.token_slots < 0])
+    for add_lora, b in ((torch_add_lora, lora_b), (cpu_add_lora, rank_major_fp32(lora_b))):
+        got = out.clone()
+        add_lora(got, x, lora_a, b, batch)
+        assert got.dtype == dtype
+        assert_close(got, expected, dtype)
+        assert torch.equal(got[batch.token_slots < 0], out[batch.token_slots < 0])

@@ -4,9 +4,9 @@ The source is compiled once per machine and torch version with torch's C++ exten
 builder (g++ and ninja; `-O3 -march=native`) into
 `$LORAPLEX_CACHE_DIR/torch_extensions/<name>`, where <name> hashes the source, the
 torch version, the compiler flags and the CPU, so a cache shared between different
-machines never loads code built for another CPU. The first build takes 20-40 s on 2
-cores and logs that it is happening; later processes load the built library in well
-under a second. Concurrent builders wait on torch's lock file in that folder.
+machines never loads code built for another CPU. The first build takes about 13 s on
+2 cores and logs that it is happening; later processes load the built library in well
+under a second. Concurrent builders wait on a file lock in that folder.
 
 `load()` returns False (and logs why, once) when the build is impossible here, e.g.
 no C++ compiler: the engine then runs the plain torch path, which has the same
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +72,28 @@ def load() -> bool:
         folder = build_root() / name
         folder.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        if not any(folder.glob(f"{name}*.so")):
-            logger.info("building native CPU kernels into %s (once per machine, ~30 s)", folder)
-        cpp_extension.load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=list(CFLAGS),
-            build_directory=str(folder),
-            is_python_module=False,
-            verbose=False,
-        )
+        # One builder at a time, under a lock the OS releases if its holder dies. torch's
+        # own lock file in the folder is not: one left by a process killed mid-build
+        # would make every later load wait forever, so it is removed under ours.
+        with FileLock(str(folder / "loraplex-build.lock")):
+            (folder / "lock").unlink(missing_ok=True)
+            if not any(folder.glob(f"{name}*.so")):
+                logger.info("building native CPU kernels into %s (once per machine)", folder)
+            cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=False,
+            )
         logger.info("native CPU kernels ready in %.1f s", time.perf_counter() - started)
         return True
     except Exception as error:  # noqa: BLE001 - any build failure means "use the torch path"
-        logger.warning("native CPU kernels unavailable, using the torch path: %s", error)
+        # Compiler output can run to pages; its end names the failure.
+        logger.warning(
+            "native CPU kernels unavailable, using the torch path: %s", str(error)[-3000:]
+        )
         return False
 
 
@@ -148,7 +157,7 @@ def rotary_write_kv(
     _ops().rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)
 
 
-def lora_bgmv(
+def lora_add(
     out: torch.Tensor,
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -162,6 +171,7 @@ def lora_bgmv(
         out[t] += dtype(lora_b[s, :, :w] @ (lora_a[s, :w] @ x[t]))
     x [T, in], out [T, out] (model dtype); lora_a [L, R, in] fp32; lora_b [L, out, R]
     fp32 stored rank-major (lora_b.stride(1) == 1); token_slots [T] int64, -1 = none;
-    slot_ranks [L] int64 or None. In place on `out`."""
+    slot_ranks [L] int64 or None. In place on `out`. Decodes and prefill chunks alike:
+    tokens of one slot are processed in runs that share each A row and B column."""
     ranks = slot_ranks if slot_ranks is not None else token_slots.new_empty(0)
-    _ops().lora_bgmv(out, x, lora_a, lora_b, token_slots, ranks, num_slices)
+    _ops().lora_add(out, x, lora_a, lora_b, token_slots, ranks, num_slices)

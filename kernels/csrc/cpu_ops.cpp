@@ -583,17 +583,38 @@ void rotary_write_kv(Tensor q, Tensor k, const Tensor& v, const Tensor& cos, con
   });
 }
 
-// ---------------------------------------------------------------- LoRA (BGMV)
+// ---------------------------------------------------------------- LoRA
 
-// Tokens expanded together: they share each B column load (decodes are sorted by
-// slot, so runs of one slot are common). kChunk output columns of kTokens tokens are
-// accumulated in registers over the rank.
-constexpr int64_t kLoraTokens = 8;
+// Work item: up to kLoraItem consecutive tokens of one slot (decodes come sorted by slot,
+// prefill chunks are long runs of one slot). Within an item the shrink takes kLoraBlock
+// tokens per pass over each A row, and the expand walks the output in kLoraChunk-column
+// chunks, each chunk's B columns staying in L1 while kLoraBlock tokens at a time
+// accumulate in registers.
+constexpr int64_t kLoraItem = 64;
+constexpr int64_t kLoraBlock = 8;
 constexpr int64_t kLoraChunk = 32;
 
+// acc[i][j] += sum_r y[i * y_stride + r] * columns[r * column_stride + j] for a full
+// kLoraBlock x kLoraChunk tile: constant trip counts let the compiler keep the tile in
+// vector registers across the whole rank loop.
+inline void expand_block_full(float (&acc)[kLoraBlock][kLoraChunk], const float* y,
+                              int64_t y_stride, const float* columns, int64_t column_stride,
+                              int64_t used) {
+  for (int64_t r = 0; r < used; ++r) {
+    const float* column = columns + r * column_stride;
+    for (int64_t i = 0; i < kLoraBlock; ++i) {
+      const float yr = y[i * y_stride + r];
+#pragma omp simd
+      for (int64_t j = 0; j < kLoraChunk; ++j) {
+        acc[i][j] += yr * column[j];
+      }
+    }
+  }
+}
+
 template <typename T>
-void lora_bgmv_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
-                      const int64_t* slots, const int64_t* ranks, int64_t num_slices) {
+void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
+                     const int64_t* slots, const int64_t* ranks, int64_t num_slices) {
   const int64_t tokens = x.size(0), in_features = x.size(1), out_features = out.size(1);
   const int64_t width = lora_a.size(1);
   const T* x_data = x.data_ptr<T>();
@@ -602,57 +623,73 @@ void lora_bgmv_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const 
   const float* b_data = lora_b.data_ptr<float>();
   const int64_t a_slot = lora_a.stride(0), a_row = lora_a.stride(1);
   const int64_t b_slot = lora_b.stride(0), b_col = lora_b.stride(2);
-  // Work items: runs of up to kLoraTokens consecutive tokens with one slot >= 0.
-  std::vector<std::pair<int64_t, int64_t>> runs;
+  std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t t = 0; t < tokens;) {
     int64_t end = t + 1;
-    while (end < tokens && end - t < kLoraTokens && slots[end] == slots[t]) {
+    while (end < tokens && end - t < kLoraItem && slots[end] == slots[t]) {
       ++end;
     }
     if (slots[t] >= 0) {
-      runs.emplace_back(t, end);
+      items.emplace_back(t, end);
     }
     t = end;
   }
-  at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x_tmp(in_features), y(kLoraTokens * width);
-    for (int64_t run = begin; run < end; ++run) {
-      const auto [first, last] = runs[run];
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x_tmp(kLoraBlock * in_features), y(kLoraItem * width);
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [first, last] = items[item];
       const int64_t count = last - first, slot = slots[first];
       const int64_t used =
           ranks == nullptr ? width : std::min(width, num_slices * ranks[slot]);
-      for (int64_t i = 0; i < count; ++i) {
-        const float* xt =
-            as_floats(x_data + (first + i) * x.stride(0), x_tmp.data(), in_features);
+      // Shrink: y[i, r] = A[slot, r] . x[first + i]
+      for (int64_t b0 = 0; b0 < count; b0 += kLoraBlock) {
+        const int64_t n = std::min(kLoraBlock, count - b0);
+        const float* xs[kLoraBlock];
+        for (int64_t i = 0; i < n; ++i) {
+          xs[i] = as_floats(x_data + (first + b0 + i) * x.stride(0),
+                            x_tmp.data() + i * in_features, in_features);
+        }
         for (int64_t r = 0; r < used; ++r) {
           const float* row = a_data + slot * a_slot + r * a_row;
-          float dot = 0.0f;
+          for (int64_t i = 0; i < n; ++i) {
+            const float* xi = xs[i];
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t k = 0; k < in_features; ++k) {
-            dot += row[k] * xt[k];
+            for (int64_t k = 0; k < in_features; ++k) {
+              dot += row[k] * xi[k];
+            }
+            y[(b0 + i) * width + r] = dot;
           }
-          y[i * width + r] = dot;
         }
       }
+      // Expand: out[first + i, o] += sum_r y[i, r] * B[slot, o, r]
       const float* b_slot_data = b_data + slot * b_slot;
       for (int64_t o0 = 0; o0 < out_features; o0 += kLoraChunk) {
         const int64_t n = std::min(kLoraChunk, out_features - o0);
-        float acc[kLoraTokens][kLoraChunk] = {};
-        for (int64_t r = 0; r < used; ++r) {
-          const float* column = b_slot_data + r * b_col + o0;  // B[slot, o0 :, r]
-          for (int64_t i = 0; i < count; ++i) {
-            const float yr = y[i * width + r];
+        for (int64_t b0 = 0; b0 < count; b0 += kLoraBlock) {
+          const int64_t m = std::min(kLoraBlock, count - b0);
+          float acc[kLoraBlock][kLoraChunk] = {};
+          const float* yb = y.data() + b0 * width;
+          if (m == kLoraBlock && n == kLoraChunk) {
+            expand_block_full(acc, yb, width, b_slot_data + o0, b_col, used);
+          } else {
+            for (int64_t r = 0; r < used; ++r) {
+              const float* column = b_slot_data + r * b_col + o0;  // B[slot, o0 :, r]
+              for (int64_t i = 0; i < m; ++i) {
+                const float yr = yb[i * width + r];
 #pragma omp simd
-            for (int64_t j = 0; j < n; ++j) {
-              acc[i][j] += yr * column[j];
+                for (int64_t j = 0; j < n; ++j) {
+                  acc[i][j] += yr * column[j];
+                }
+              }
             }
           }
-        }
-        for (int64_t i = 0; i < count; ++i) {
-          T* ot = out_data + (first + i) * out.stride(0) + o0;
+          for (int64_t i = 0; i < m; ++i) {
+            T* ot = out_data + (first + b0 + i) * out.stride(0) + o0;
 #pragma omp simd
-          for (int64_t j = 0; j < n; ++j) {
-            store_f(ot + j, round_to<T>(load_f(ot + j) + round_to<T>(acc[i][j])));
+            for (int64_t j = 0; j < n; ++j) {
+              store_f(ot + j, round_to<T>(load_f(ot + j) + round_to<T>(acc[i][j])));
+            }
           }
         }
       }
@@ -667,7 +704,7 @@ void lora_bgmv_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const 
 // [L, R, in] fp32 with a contiguous last dim; lora_b [L, out, R] fp32 stored rank-major
 // (stride(1) == 1: each column B[s, :, r] is contiguous); token_slots [T] int64,
 // slot_ranks [L] int64 or empty. `out` is updated in place.
-void lora_bgmv(Tensor out, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
+void lora_add(Tensor out, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
                const Tensor& token_slots, const Tensor& slot_ranks, int64_t num_slices) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3,
@@ -694,8 +731,8 @@ void lora_bgmv(Tensor out, const Tensor& x, const Tensor& lora_a, const Tensor& 
     TORCH_CHECK(slot_data[t] < lora_a.size(0), "token_slots[", t, "] = ", slot_data[t],
                 " but there are ", lora_a.size(0), " slots");
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_bgmv", [&] {
-    lora_bgmv_kernel<scalar_t>(out, x, lora_a, lora_b, slot_data,
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_add", [&] {
+    lora_add_kernel<scalar_t>(out, x, lora_a, lora_b, slot_data,
                                has_ranks ? ranks.data_ptr<int64_t>() : nullptr, num_slices);
   });
 }
@@ -710,7 +747,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(c!) kv_cache, Tensor slot_mapping) -> ()");
-  m.def("lora_bgmv(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, "
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, "
         "Tensor token_slots, Tensor slot_ranks, int num_slices) -> ()");
 }
 
@@ -719,5 +756,5 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_write_kv", &rotary_write_kv);
-  m.impl("lora_bgmv", &lora_bgmv);
+  m.impl("lora_add", &lora_add);
 }

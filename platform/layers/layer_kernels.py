@@ -232,9 +232,8 @@ class TritonLayerKernels:
 @register_layer_kernels("cpu")
 class CpuLayerKernels(TorchLayerKernels):
     """The torch path with its hot spots in native code (kernels/cpu_ops.py): fused
-    RMSNorm + residual, SiLU-and-mul, rotary + cache write in place, and decode
-    attention reading each K/V block where it lies instead of gathering a batch copy.
-    Prefill chunks keep the torch path's SDPA (already a fused flash kernel on CPU)."""
+    RMSNorm + residual, SiLU-and-mul, rotary + cache write in place, and paged
+    attention reading each K/V block where it lies instead of gathering a batch copy."""
 
     def __init__(self) -> None:
         from loraplex.kernels import cpu_ops
@@ -273,8 +272,14 @@ class CpuLayerKernels(TorchLayerKernels):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        """Every token through the native paged kernel: a prefill token at position a
+        attends like a decode of length a + 1 over its sequence's block table (its
+        chunk's K/V are already in the cache), so chunks with and without cached prefix
+        need no gather. Prefill steps of the default model (16 fresh 128-token chunks)
+        went from 1.0-1.25 s to 0.72-0.92 s in bf16 on the 2-core dev VM, against
+        CPU SDPA (its flash kernel runs these shapes at ~25 GFLOPS)."""
+        out = q.new_empty(q.shape)
         num_decodes = meta.num_decode_tokens
-        decode_out = q.new_empty((num_decodes, *q.shape[1:]))
         if num_decodes:
             self._ops.paged_decode_attention(
                 q[:num_decodes],
@@ -282,19 +287,31 @@ class CpuLayerKernels(TorchLayerKernels):
                 meta.decode_block_tables,
                 meta.decode_seq_lens,
                 scale,
-                decode_out,
+                out[:num_decodes],
             )
-        if meta.num_prefills == 0:
-            return decode_out
-        prefill_out = torch_attention.prefill_attention(
-            q[num_decodes:],
-            k[num_decodes:],
-            v[num_decodes:],
-            kv_cache,
-            meta.prefill_block_tables,
-            meta.prefill_query_lens,
-            meta.prefill_seq_lens,
-            scale,
-            meta.cache,
-        )
-        return prefill_out if num_decodes == 0 else torch.cat((decode_out, prefill_out), dim=0)
+        if meta.num_prefills:
+            tables, lens = prefill_rows_as_decodes(meta)
+            self._ops.paged_decode_attention(
+                q[num_decodes:], kv_cache, tables, lens, scale, out[num_decodes:]
+            )
+        return out
+
+
+_PREFILL_TABLES = "cpu_prefill_tables"
+_PREFILL_LENS = "cpu_prefill_lens"
+
+
+def prefill_rows_as_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per prefill token: its sequence's block table row [Tp, W] and the number of keys
+    it sees [Tp] (position + 1), computed once per step (in `meta.cache`)."""
+    if _PREFILL_TABLES not in meta.cache:
+        device = meta.prefill_block_tables.device
+        query_lens = torch.tensor(meta.prefill_query_lens, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(meta.prefill_seq_lens, dtype=torch.int64, device=device)
+        tables = meta.prefill_block_tables.repeat_interleave(query_lens, dim=0)
+        first_lens = (seq_lens - query_lens + 1).repeat_interleave(query_lens)
+        chunk_starts = (query_lens.cumsum(0) - query_lens).repeat_interleave(query_lens)
+        index = torch.arange(int(query_lens.sum()), device=device)
+        meta.cache[_PREFILL_TABLES] = tables
+        meta.cache[_PREFILL_LENS] = first_lens + index - chunk_starts
+    return meta.cache[_PREFILL_TABLES], meta.cache[_PREFILL_LENS]

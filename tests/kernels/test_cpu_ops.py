@@ -159,3 +159,16 @@ def test_build_name_tracks_source_and_cpu(monkeypatch):
     assert name.startswith("loraplex_cpu_ops_")
     monkeypatch.setattr(cpu_ops, "_cpu_identity", lambda: "another cpu")
     assert cpu_ops.build_name() != name
+
+
+def test_a_stale_build_lock_does_not_block_loading():
+    """torch's lock file left by a builder killed mid-build must not make the next
+    process wait forever (a fresh process, since `load` runs once per process)."""
+    import subprocess
+    import sys
+
+    folder = cpu_ops.build_root() / cpu_ops.build_name()
+    (folder / "lock").write_text("")
+    code = "from loraplex.kernels import cpu_ops; raise SystemExit(0 if cpu_ops.load() else 1)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert not (folder / "lock").exists()

@@ -34,8 +34,11 @@ CONTEXT_TOKENS = 5
 """Prompt tokens decoded in front of the first output token, so its leading space shows."""
 
 MAX_OPEN_TOKENS = 16
-"""A window still ending in U+FFFD after this many unreleased tokens holds invalid bytes,
-not a character in flight: its text is released as is and the window moves on."""
+"""A window whose settled text has not grown for this many tokens while it ends in
+U+FFFD holds invalid bytes, not a character in flight: its text is released as is and
+the window moves on. (Counting open tokens instead would misfire when every append
+completes one character and starts the next: the window then never closes, yet each
+character is valid.)"""
 
 REPLACEMENT = "\ufffd"
 
@@ -57,6 +60,8 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._ids)
         self._window_taken = 0
         """Characters past the prefix text of the open window already in `_decoded`."""
+        self._stalled = 0
+        """Tokens appended since the settled text last grew (or the window moved)."""
         self._decoded = ""
         """Output text made of settled characters, cut at a stop string."""
         self._unsettled = ""
@@ -77,6 +82,7 @@ class IncrementalDetokenizer:
         """
         if self.finished_by_stop is None and new_token_ids:
             self._ids.extend(new_token_ids)
+            self._stalled += len(new_token_ids)
             self._decode_window()
             self._check_stop()
         end = len(self._decoded) - self._held_back()
@@ -88,19 +94,21 @@ class IncrementalDetokenizer:
         window = self._decode(self._ids)
         start = len(self._prefix_text) + self._window_taken
         settled_end = len(window.rstrip(REPLACEMENT))
-        overdue = len(self._ids) - self._read_offset > MAX_OPEN_TOKENS
+        overdue = self._stalled > MAX_OPEN_TOKENS
         if overdue and settled_end < len(window):
             logger.debug("releasing undecodable bytes as U+FFFD")
             settled_end = len(window)
         if settled_end > start:
             self._decoded += window[start:settled_end]
             self._window_taken = settled_end - len(self._prefix_text)
+            self._stalled = 0
         self._unsettled = window[max(start, settled_end) :]
         if not self._unsettled and (overdue or len(window) > len(self._prefix_text)):
             del self._ids[: self._read_offset]
             self._read_offset = len(self._ids)
             self._prefix_text = self._decode(self._ids)
             self._window_taken = 0
+            self._stalled = 0
 
     def _check_stop(self) -> None:
         if not self._stops:

@@ -96,6 +96,17 @@ def test_undecodable_bytes_are_released_eventually(tokenizer):
     assert "".join(deltas) == detokenizer.text == detokenizer.full_text
 
 
+def test_appends_that_always_end_mid_character_lose_nothing(tokenizer):
+    """Each chunk completes one character and starts the next, so the window never ends
+    on a character boundary: valid characters in flight are not invalid bytes, however
+    long the window stays open (found by the property test below)."""
+    text = "?字🙂字?ü字字"
+    ids = encode(tokenizer, text)
+    detokenizer, deltas = stream(tokenizer, ids, chunks=[3, 4, 1, 3, 2, 4])
+    assert "".join(deltas) == detokenizer.text == text
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
 def test_full_text_keeps_an_unfinished_character(tokenizer):
     ids = encode(tokenizer, "ab🚀")
     detokenizer, _ = stream(tokenizer, ids[:-1])

@@ -97,7 +97,7 @@ def load() -> bool:
         return False
 
 
-def _ops():
+def ops():
     """torch.ops.loraplex_cpu, built and loaded on first use; RuntimeError when the build
     is impossible here (callers pick the 'cpu' backend only after `load()` succeeded)."""
     if not load():
@@ -119,7 +119,7 @@ def paged_decode_attention(
 
     q [D, H, Dh] (contiguous last dim); kv_cache [2, N, Hkv, B, Dh]; block_tables [D, W]
     int64; seq_lens [D] int64 in 1 .. W * B; out [D, H, Dh] is written and returned."""
-    _ops().paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, out)
+    ops().paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, out)
     return out
 
 
@@ -131,14 +131,14 @@ def rms_norm(
     x, residual [T, hidden] contiguous; weight [hidden]. As TorchLayerKernels.rms_norm."""
     out = torch.empty_like(x)
     residual_out = None if residual is None else torch.empty_like(x)
-    _ops().rms_norm(x, residual, weight, eps, out, residual_out)
+    ops().rms_norm(x, residual, weight, eps, out, residual_out)
     return out, x if residual_out is None else residual_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Semantics: gate, up = x.chunk(2, -1) -> F.silu(gate) * up (silu rounded to the
     dtype before the product). x [T, 2I] contiguous -> [T, I]."""
-    return _ops().silu_and_mul(x)
+    return ops().silu_and_mul(x)
 
 
 def rotary_write_kv(
@@ -154,7 +154,7 @@ def rotary_write_kv(
     then kv_cache[0 / 1, s // B, :, s % B] = k[t] / v[t] for s = slot_mapping[t] >= 0.
     q [T, H, Dh], k / v [T, Hkv, Dh] (contiguous last dims); cos / sin [T, Dh/2];
     kv_cache [2, N, Hkv, B, Dh]; slot_mapping [T] int64."""
-    _ops().rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)
+    ops().rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)
 
 
 def lora_add(
@@ -174,4 +174,4 @@ def lora_add(
     slot_ranks [L] int64 or None. In place on `out`. Decodes and prefill chunks alike:
     tokens of one slot are processed in runs that share each A row and B column."""
     ranks = slot_ranks if slot_ranks is not None else token_slots.new_empty(0)
-    _ops().lora_add(out, x, lora_a, lora_b, token_slots, ranks, num_slices)
+    ops().lora_add(out, x, lora_a, lora_b, token_slots, ranks, num_slices)

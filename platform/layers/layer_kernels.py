@@ -238,8 +238,7 @@ class CpuLayerKernels(TorchLayerKernels):
     def __init__(self) -> None:
         from loraplex.kernels import cpu_ops
 
-        if not cpu_ops.load():
-            raise RuntimeError("the native CPU kernels could not be built (see the log)")
+        cpu_ops.ops()  # builds or loads them now; RuntimeError if impossible here
         self._ops = cpu_ops
 
     def rms_norm(

@@ -8,24 +8,45 @@ validated before a `LoRAAdapter` is returned; anything we cannot serve exactly r
 
 The returned B already carries the module's scaling (alpha / r, or alpha / sqrt(r) with
 rsLoRA, after PEFT's `rank_pattern` / `alpha_pattern`), so the delta is `x @ A.T @ B.T`.
+
+Adapters come from tenants, so a file can be hostile; loading one must never hurt the
+server:
+- files: with a `root` (a tenant's adapter root) the folder is reached from `root` and
+  both files are opened without following any symbolic link (adapters/safe_files.py),
+  and are read only through those descriptors, so what is checked is what is read;
+- adapter_config.json: at most 1 MiB, strict JSON (no NaN / Infinity, no number that
+  overflows to infinity, bounded nesting); `r` and the `rank_pattern` values are
+  integers >= 1, `lora_alpha` and the `alpha_pattern` values finite numbers > 0;
+- pattern keys are never run as regexes: a key matches a module name when it is the
+  name or a dotted suffix of it, or, with `*`, `?` or `[`, when it globs the name or a
+  dotted suffix (fnmatch); keys with regex-only syntax are refused;
+- adapter_model.safetensors: the header (at most 16 MiB) is parsed and checked first:
+  dtypes, shapes, offsets that tile the data region, the file's exact size, then tensor
+  names, shapes and ranks (<= max_rank, = the config's r). Only then is the data region,
+  whose size those checks bound, read;
+- the tensors, and each B after scaling, must be finite.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import logging
 import math
+import os
 import re
+import reprlib
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from loraplex.adapters import safe_files
 from loraplex.platform.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
@@ -46,8 +67,8 @@ SUPPORTED_MODULES: tuple[str, ...] = (
 _ATTENTION_MODULES = SUPPORTED_MODULES[:4]
 _PARENT = {m: "self_attn" if m in _ATTENTION_MODULES else "mlp" for m in SUPPORTED_MODULES}
 _TENSOR_NAME = re.compile(
-    r"base_model\.model\.(?P<key>model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)"
-    r"\.(?P<module>\w+))\.lora_(?P<ab>[AB])\.weight"
+    r"base_model\.model\.(?P<key>model\.layers\.(?P<layer>0|[1-9]\d{0,8})\."
+    r"(?P<parent>self_attn|mlp)\.(?P<module>\w+))\.lora_(?P<ab>[AB])\.weight"
 )
 
 # Config fields that change the forward math in ways we do not implement: field -> the
@@ -72,6 +93,34 @@ _REJECTED_UNLESS: dict[str, tuple[Any, ...]] = {
 _BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # What PEFT's LoraConfig assumes when a key is absent from the file.
 _PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8}
+
+_CONFIG_SIZE_LIMIT = 1 << 20
+_HEADER_SIZE_LIMIT = 16 << 20
+_PATTERN_KEYS_LIMIT = 1024
+_PATTERN_KEY_LENGTH_LIMIT = 256
+_GLOB_CHARS = frozenset("*?[")
+_REGEX_ONLY_CHARS = frozenset("\\(){}+^$|")
+# safetensors dtype -> (torch dtype name, bytes per element); only _SERVABLE ones load.
+_DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("torch.bool", 1),
+    "U8": ("torch.uint8", 1),
+    "I8": ("torch.int8", 1),
+    "F8_E5M2": ("torch.float8_e5m2", 1),
+    "F8_E4M3": ("torch.float8_e4m3fn", 1),
+    "I16": ("torch.int16", 2),
+    "U16": ("torch.uint16", 2),
+    "F16": ("torch.float16", 2),
+    "BF16": ("torch.bfloat16", 2),
+    "I32": ("torch.int32", 4),
+    "U32": ("torch.uint32", 4),
+    "F32": ("torch.float32", 4),
+    "I64": ("torch.int64", 8),
+    "U64": ("torch.uint64", 8),
+    "F64": ("torch.float64", 8),
+}
+_SERVABLE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_NEED_FLOAT = "need floating point (torch.float32, torch.float16 or torch.bfloat16)"
+_TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 
 class AdapterError(ValueError):
@@ -144,25 +193,31 @@ def expected_lora_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
 
 
 def load_peft_adapter(
-    path: str | Path, arch: ModelArch, max_rank: int, name: str | None = None
+    path: str | Path,
+    arch: ModelArch,
+    max_rank: int,
+    name: str | None = None,
+    root: str | Path | None = None,
 ) -> LoRAAdapter:
-    """Reads and validates a PEFT LoRA directory; AdapterError if it cannot be served."""
+    """Reads and validates a PEFT LoRA directory; AdapterError if it cannot be served.
+
+    `root`: a tenant's adapter root; `path` must then lie under it, and neither the
+    folder nor its files may be (or be reached through) a symbolic link. Without a root
+    `path` is opened as given."""
     path = Path(path)
-    config = _read_config(path)
-    _check_config_is_plain_lora(config)
-    tensors = _read_tensors(path / WEIGHTS_NAME)
-    pairs = _pair_lora_tensors(tensors, arch)
-    modules: dict[tuple[int, str], LoRAModuleWeights] = {}
-    for (layer, module), (a_name, b_name) in sorted(pairs.items(), key=_layer_then_module):
-        a, b = tensors[a_name], tensors[b_name]
-        _check_ranks(a_name, a, b_name, b, max_rank)
-        _check_finite(a_name, a)
-        _check_finite(b_name, b)
-        scaling = _module_scaling(config, _module_key(a_name), a.shape[0])
-        a32 = a.to(torch.float32).contiguous()
-        b32 = (b.to(torch.float32) * scaling).contiguous()
-        modules[(layer, module)] = LoRAModuleWeights(a=a32, b=b32, scaling=scaling)
-    scalings = {k: m.scaling for k, m in modules.items()}
+    follow_links = root is None
+    with ExitStack() as stack:
+        folder_fd = _enter_folder(stack, path, root)
+        config = _read_config(stack, folder_fd, path, follow_links)
+        weights_fd = _enter_weights(stack, folder_fd, path, follow_links)
+        _check_config_is_plain_lora(config)
+        header = _read_header(weights_fd, path / WEIGHTS_NAME)
+        pairs = _pair_lora_tensors(header.entries, arch)
+        scalings = _module_scalings(config, pairs, header.entries, max_rank)
+        tensors = _read_tensor_data(weights_fd, header, path / WEIGHTS_NAME)
+    modules = {
+        key: _module_weights(tensors, *pairs[key], scaling) for key, scaling in scalings.items()
+    }
     adapter = LoRAAdapter(
         name=name if name is not None else path.name,
         path=path,
@@ -181,33 +236,125 @@ def load_peft_adapter(
     return adapter
 
 
-def _layer_then_module(item: tuple[tuple[int, str], Any]) -> tuple[int, int]:
-    (layer, module), _ = item
+def _layer_then_module(key: tuple[int, str]) -> tuple[int, int]:
+    layer, module = key
     return layer, SUPPORTED_MODULES.index(module)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise AdapterError(f"adapter directory {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise AdapterError(f"adapter path {str(path)!r} is not a directory")
-    config_path = path / CONFIG_NAME
-    if not config_path.is_file():
-        raise AdapterError(f"{CONFIG_NAME} is missing in {str(path)!r}")
+def _module_weights(
+    tensors: dict[str, torch.Tensor], a_name: str, b_name: str, scaling: float
+) -> LoRAModuleWeights:
+    """float32 A and scaled B, both checked finite (the scaling can overflow B)."""
+    a, b = tensors[a_name], tensors[b_name]
+    _check_finite(a_name, a)
+    _check_finite(b_name, b)
+    a32 = a.to(torch.float32).contiguous()
+    b32 = (b.to(torch.float32) * scaling).contiguous()
+    if not torch.isfinite(b32).all():
+        raise AdapterError(
+            f"tensor {b_name!r} times its scaling {scaling!r} (lora_alpha / r) overflows "
+            "float32 to NaN or Inf"
+        )
+    return LoRAModuleWeights(a=a32, b=b32, scaling=scaling)
+
+
+# --- files ---------------------------------------------------------------------------
+
+
+def _enter_folder(stack: ExitStack, path: Path, root: str | Path | None) -> int:
     try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return stack.enter_context(safe_files.open_folder(path, root))
+    except FileNotFoundError:
+        raise AdapterError(f"adapter directory {str(path)!r} does not exist") from None
+    except NotADirectoryError:
+        raise AdapterError(f"adapter path {str(path)!r} is not a directory") from None
+    except OSError as err:  # safe_files.UnsafePathError among them
+        raise AdapterError(f"adapter directory {str(path)!r} refused: {err}") from None
+
+
+def _enter_file(stack: ExitStack, folder_fd: int, file_name: str, follow_links: bool) -> int:
+    return stack.enter_context(safe_files.open_regular_file(folder_fd, file_name, follow_links))
+
+
+def _read_config(
+    stack: ExitStack, folder_fd: int, path: Path, follow_links: bool
+) -> dict[str, Any]:
+    try:
+        fd = _enter_file(stack, folder_fd, CONFIG_NAME, follow_links)
+        size = os.fstat(fd).st_size
+        if size > _CONFIG_SIZE_LIMIT:
+            raise AdapterError(
+                f"{CONFIG_NAME} in {str(path)!r} is {size} bytes, over the "
+                f"{_CONFIG_SIZE_LIMIT}-byte limit"
+            )
+        raw = safe_files.read_at(fd, 0, size)
+    except FileNotFoundError:
+        raise AdapterError(f"{CONFIG_NAME} is missing in {str(path)!r}") from None
+    except OSError as err:  # safe_files.UnsafePathError among them
+        raise AdapterError(f"cannot read {CONFIG_NAME} in {str(path)!r}: {err}") from None
+    config_path = path / CONFIG_NAME
+    try:
+        config = _strict_json(raw)
+    except ValueError as err:
         raise AdapterError(f"{config_path} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
         raise AdapterError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
-    if not (path / WEIGHTS_NAME).is_file():
-        if (path / PICKLED_WEIGHTS_NAME).is_file():
+    return config
+
+
+def _enter_weights(stack: ExitStack, folder_fd: int, path: Path, follow_links: bool) -> int:
+    try:
+        return _enter_file(stack, folder_fd, WEIGHTS_NAME, follow_links)
+    except FileNotFoundError:
+        if safe_files.exists(folder_fd, PICKLED_WEIGHTS_NAME):
             raise AdapterError(
                 f"{str(path)!r} has only {PICKLED_WEIGHTS_NAME}: pickled .bin adapters are not "
                 f"supported, convert it to {WEIGHTS_NAME}"
-            )
-        raise AdapterError(f"{WEIGHTS_NAME} is missing in {str(path)!r}")
-    return config
+            ) from None
+        raise AdapterError(f"{WEIGHTS_NAME} is missing in {str(path)!r}") from None
+    except OSError as err:  # safe_files.UnsafePathError among them
+        raise AdapterError(f"cannot read {WEIGHTS_NAME} in {str(path)!r}: {err}") from None
+
+
+class _NonFiniteNumber(ValueError):
+    """A NaN / Infinity literal, or a number literal beyond the float range."""
+
+
+def _refuse_constant(literal: str) -> float:
+    raise _NonFiniteNumber(f"{literal} is not a finite number")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NonFiniteNumber(f"{reprlib.repr(literal)} overflows to {value}")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {reprlib.repr(key)}")
+        result[key] = value
+    return result
+
+
+def _strict_json(raw: bytes | bytearray, unique_keys: bool = False) -> Any:
+    """JSON without NaN / Infinity literals or numbers that overflow to infinity;
+    ValueError (with the reason) for anything else, deep nesting included."""
+    try:
+        return json.loads(
+            raw.decode("utf-8"),
+            parse_constant=_refuse_constant,
+            parse_float=_finite_float,
+            object_pairs_hook=_unique_keys if unique_keys else None,
+        )
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+# --- config --------------------------------------------------------------------------
 
 
 def _check_config_is_plain_lora(config: dict[str, Any]) -> None:
@@ -231,43 +378,311 @@ def _check_config_is_plain_lora(config: dict[str, Any]) -> None:
 
 
 def _check_scaling_fields(config: dict[str, Any]) -> None:
-    """r, lora_alpha and the values of rank_pattern / alpha_pattern must be positive numbers."""
-
-    def check(where: str, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise AdapterError(f"{where}={value!r} in {CONFIG_NAME} must be a positive number")
-
-    for field, default in _PEFT_DEFAULTS.items():
-        check(field, config.get(field, default))
-    for field in ("rank_pattern", "alpha_pattern"):
-        pattern = config.get(field) or {}
+    """r and the rank_pattern values are integer ranks >= 1, lora_alpha and the
+    alpha_pattern values finite numbers > 0, use_rslora a boolean; pattern keys are
+    module-name suffixes or globs."""
+    _check_rank("r", config.get("r", _PEFT_DEFAULTS["r"]))
+    _check_alpha("lora_alpha", config.get("lora_alpha", _PEFT_DEFAULTS["lora_alpha"]))
+    use_rslora = config.get("use_rslora")
+    if use_rslora is not None and not isinstance(use_rslora, bool):
+        raise AdapterError(
+            f"use_rslora={reprlib.repr(use_rslora)} in {CONFIG_NAME} must be true or false"
+        )
+    for field, check in (("rank_pattern", _check_rank), ("alpha_pattern", _check_alpha)):
+        pattern = config.get(field)
+        if pattern is None:
+            continue
         if not isinstance(pattern, dict):
-            raise AdapterError(f"{field}={pattern!r} in {CONFIG_NAME} must be an object")
+            raise AdapterError(
+                f"{field}={reprlib.repr(pattern)} in {CONFIG_NAME} must be an object"
+            )
+        if len(pattern) > _PATTERN_KEYS_LIMIT:
+            raise AdapterError(
+                f"{field} in {CONFIG_NAME} has {len(pattern)} keys, over the limit of "
+                f"{_PATTERN_KEYS_LIMIT}"
+            )
         for key, value in pattern.items():
-            check(f"{field}[{key!r}]", value)
+            _check_pattern_key(field, key)
+            check(f"{field}[{reprlib.repr(key)}]", value)
 
 
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+def _check_rank(where: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AdapterError(
+            f"{where}={reprlib.repr(value)} in {CONFIG_NAME} must be a positive number: "
+            "an integer rank >= 1"
+        )
+
+
+def _check_alpha(where: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        ok = False
+    else:
+        try:
+            ok = math.isfinite(float(value))
+        except OverflowError:  # an integer beyond the float range
+            ok = False
+    if not ok:
+        raise AdapterError(
+            f"{where}={reprlib.repr(value)} in {CONFIG_NAME} must be a positive number: "
+            "finite and > 0"
+        )
+
+
+def _check_pattern_key(field: str, key: str) -> None:
+    """Keys are dotted module-name suffixes or globs; regex-only syntax is refused here
+    so that no key is ever run as a regular expression."""
+    if not 1 <= len(key) <= _PATTERN_KEY_LENGTH_LIMIT:
+        raise AdapterError(
+            f"{field} key {reprlib.repr(key)} in {CONFIG_NAME} must be 1 to "
+            f"{_PATTERN_KEY_LENGTH_LIMIT} characters long"
+        )
+    regex_only = sorted(_REGEX_ONLY_CHARS.intersection(key))
+    if regex_only:
+        raise AdapterError(
+            f"{field} key {reprlib.repr(key)} in {CONFIG_NAME} uses {''.join(regex_only)!r}, "
+            "so it is not a valid regex-free key: pattern keys are module-name suffixes or "
+            "globs, not regular expressions"
+        )
+
+
+def _module_scalings(
+    config: dict[str, Any],
+    pairs: dict[tuple[int, str], tuple[str, str]],
+    entries: Mapping[str, _TensorEntry],
+    max_rank: int,
+) -> dict[tuple[int, str], float]:
+    """(layer, module) -> scaling, in layer-then-module order, checking each module's
+    ranks against max_rank and against the config's r for it (all from the header)."""
+    rank_rules = _pattern_rules(config.get("rank_pattern") or {})
+    alpha_rules = _pattern_rules(config.get("alpha_pattern") or {})
+    scalings: dict[tuple[int, str], float] = {}
+    for key in sorted(pairs, key=_layer_then_module):
+        a_name, b_name = pairs[key]
+        _check_ranks(a_name, entries[a_name].shape, b_name, entries[b_name].shape, max_rank)
+        module_key = _module_key(a_name)
+        r = _pattern_value(rank_rules, module_key, config.get("r", _PEFT_DEFAULTS["r"]))
+        alpha = _pattern_value(
+            alpha_rules, module_key, config.get("lora_alpha", _PEFT_DEFAULTS["lora_alpha"])
+        )
+        scalings[key] = _scaling(module_key, entries[a_name].shape[0], r, alpha, config)
+    return scalings
+
+
+def _scaling(
+    module_key: str, tensor_rank: int, r: int, alpha: float, config: dict[str, Any]
+) -> float:
+    if r != tensor_rank:
+        raise AdapterError(
+            f"{module_key} has rank {tensor_rank} in {WEIGHTS_NAME} but {CONFIG_NAME} "
+            f"gives r={reprlib.repr(r)} for it"
+        )
+    if config.get("use_rslora"):
+        return float(alpha) / math.sqrt(r)
+    return float(alpha) / r
+
+
+@dataclass(frozen=True)
+class _PatternRule:
+    """One rank_pattern / alpha_pattern key: a literal dotted suffix, or a glob compiled
+    to match the module name or any of its dotted suffixes."""
+
+    literal: str | None
+    glob: re.Pattern[str] | None
+    value: Any
+
+    def matches(self, module_key: str, suffixes: frozenset[str]) -> bool:
+        if self.glob is not None:
+            return self.glob.match(module_key) is not None
+        return self.literal in suffixes
+
+
+def _pattern_rules(pattern: dict[str, Any]) -> list[_PatternRule]:
+    """The keys in file order (PEFT's: the first key that matches wins)."""
+    rules = []
+    for key, value in pattern.items():
+        if _GLOB_CHARS.isdisjoint(key):
+            rules.append(_PatternRule(literal=key, glob=None, value=value))
+            continue
+        # fnmatch's translation has no nested quantifiers (runs of `*` are atomic), and
+        # the prefix only tries each dot of a short module name: linear-time matching.
+        try:
+            glob = re.compile(r"(?:.*\.)?" + fnmatch.translate(key))
+        except re.error as err:
+            raise AdapterError(
+                f"pattern key {reprlib.repr(key)} is not a valid glob: {err}"
+            ) from None
+        rules.append(_PatternRule(literal=None, glob=glob, value=value))
+    return rules
+
+
+def _pattern_value(rules: list[_PatternRule], module_key: str, default: Any) -> Any:
+    """The value of the first key equal to the module name or to a dotted suffix of it,
+    or globbing one of those; `default` when none does."""
+    parts = module_key.split(".")
+    suffixes = frozenset(".".join(parts[i:]) for i in range(len(parts)))
+    for rule in rules:
+        if rule.matches(module_key, suffixes):
+            return rule.value
+    return default
+
+
+# --- safetensors -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TensorEntry:
+    """One tensor as the safetensors header declares it; offsets are into the data
+    region, which starts after the header."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return _DTYPES[self.dtype][0]
+
+
+@dataclass(frozen=True)
+class _Header:
+    entries: dict[str, _TensorEntry]
+    data_start: int
+
+
+def _read_header(fd: int, file: Path) -> _Header:
+    """Parses and checks the header and the file's size without reading tensor bytes."""
     try:
-        with safe_open(file, framework="pt") as f:
-            return {tensor_name: f.get_tensor(tensor_name) for tensor_name in f.keys()}
-    except Exception as err:  # safetensors raises its own error types, and OSError
-        raise AdapterError(f"{file} is corrupt or truncated: {err}") from None
+        file_size = os.fstat(fd).st_size
+        if file_size < 8:
+            raise _Corrupt(f"{file_size} bytes, shorter than the 8-byte header length")
+        header_length = int.from_bytes(safe_files.read_at(fd, 0, 8), "little")
+        if header_length > _HEADER_SIZE_LIMIT:
+            raise _Corrupt(
+                f"header length {header_length} is over the {_HEADER_SIZE_LIMIT}-byte limit"
+            )
+        if 8 + header_length > file_size:
+            raise _Corrupt(f"header length {header_length} exceeds the file size {file_size}")
+        raw = safe_files.read_at(fd, 8, header_length)
+    except (OSError, _Corrupt) as err:
+        raise _corrupt_error(file, str(err)) from None
+    try:
+        header = _parse_header(raw, file_size - 8 - header_length)
+    except _Corrupt as err:
+        raise _corrupt_error(file, str(err)) from None
+    return _Header(entries=header, data_start=8 + header_length)
+
+
+class _Corrupt(Exception):
+    """A malformed safetensors file; becomes AdapterError "... is corrupt or truncated"."""
+
+
+def _corrupt_error(file: Path, reason: str) -> AdapterError:
+    return AdapterError(f"{file} is corrupt or truncated: {reason}")
+
+
+def _parse_header(raw: bytearray, data_length: int) -> dict[str, _TensorEntry]:
+    try:
+        header = _strict_json(raw, unique_keys=True)
+    except ValueError as err:
+        raise _Corrupt(f"the header is not valid JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise _Corrupt(f"the header is a JSON {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise _Corrupt("__metadata__ must map strings to strings")
+    entries = {name: _parse_entry(name, info, data_length) for name, info in header.items()}
+    _check_tiling(entries, data_length)
+    return entries
+
+
+def _parse_entry(name: str, info: Any, data_length: int) -> _TensorEntry:
+    if not isinstance(info, dict) or set(info) != _TENSOR_FIELDS:
+        raise _Corrupt(f"tensor {reprlib.repr(name)} must have exactly {sorted(_TENSOR_FIELDS)}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise _Corrupt(f"tensor {reprlib.repr(name)} has dtype {reprlib.repr(dtype)}")
+    if dtype not in _DTYPES:
+        raise AdapterError(f"tensor {name!r} has dtype {reprlib.repr(dtype)}, {_NEED_FLOAT}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _Corrupt(f"tensor {reprlib.repr(name)} has shape {reprlib.repr(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise _Corrupt(f"tensor {reprlib.repr(name)} has data_offsets {reprlib.repr(offsets)}")
+    begin, end = offsets
+    nbytes = _numel(shape, data_length) * _DTYPES[dtype][1]
+    if end - begin != nbytes:
+        raise _Corrupt(
+            f"tensor {reprlib.repr(name)} ({dtype} {reprlib.repr(shape)}) has data_offsets "
+            f"{reprlib.repr(offsets)}, which do not hold its size"
+        )
+    return _TensorEntry(dtype=dtype, shape=tuple(shape), begin=begin, end=end)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
+def _numel(shape: list[int], limit: int) -> int:
+    """The product of `shape`, or limit + 1 once it is known to exceed `limit` (so that a
+    header of huge dimensions costs no big-number arithmetic)."""
+    if 0 in shape:
+        return 0
+    numel = 1
+    for dim in shape:
+        numel *= dim
+        if numel > limit:
+            return limit + 1
+    return numel
+
+
+def _check_tiling(entries: dict[str, _TensorEntry], data_length: int) -> None:
+    """The tensors' byte ranges, in offset order, cover the data region exactly."""
+    position = 0
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != position:
+            kind = "a gap before" if entry.begin > position else "an overlap with"
+            raise _Corrupt(f"{kind} tensor {reprlib.repr(name)} at byte {entry.begin}")
+        position = entry.end
+    if position != data_length:
+        raise _Corrupt(
+            f"the tensors take {position} bytes but the data region after the header is "
+            f"{data_length} bytes"
+        )
+
+
+def _read_tensor_data(fd: int, header: _Header, file: Path) -> dict[str, torch.Tensor]:
+    """Reads each (already checked) tensor's bytes through `fd`, as stored."""
+    tensors = {}
+    try:
+        for tensor_name, entry in header.entries.items():
+            dtype = _SERVABLE[entry.dtype]
+            if entry.end == entry.begin:
+                tensors[tensor_name] = torch.empty(entry.shape, dtype=dtype)
+                continue
+            data = safe_files.read_at(fd, header.data_start + entry.begin, entry.end - entry.begin)
+            tensors[tensor_name] = torch.frombuffer(data, dtype=dtype).reshape(entry.shape)
+    except OSError as err:  # the file shrank or failed since its header was checked
+        raise _corrupt_error(file, str(err)) from None
+    return tensors
 
 
 def _pair_lora_tensors(
-    tensors: dict[str, torch.Tensor], arch: ModelArch
+    entries: Mapping[str, _TensorEntry], arch: ModelArch
 ) -> dict[tuple[int, str], tuple[str, str]]:
     """(layer, module) -> (A tensor name, B tensor name), checking names and shapes."""
     shapes = expected_lora_shapes(arch)
     found: dict[tuple[int, str], dict[str, str]] = {}
-    for tensor_name, tensor in tensors.items():
+    for tensor_name, entry in entries.items():
         match = _TENSOR_NAME.fullmatch(tensor_name)
         module = match["module"] if match else None
         if match is None or _PARENT.get(module) != match["parent"]:
             raise AdapterError(
-                f"unsupported target module in tensor {tensor_name!r}; only LoRA A/B of the "
-                f"decoder-layer projections {', '.join(SUPPORTED_MODULES)} are supported"
+                f"unsupported target module in tensor {reprlib.repr(tensor_name)}; only LoRA "
+                f"A/B of the decoder-layer projections {', '.join(SUPPORTED_MODULES)} are "
+                "supported"
             )
         layer = int(match["layer"])
         if layer >= arch.num_layers:
@@ -275,7 +690,7 @@ def _pair_lora_tensors(
                 f"tensor {tensor_name!r} is for layer {layer} but the base model has "
                 f"{arch.num_layers} layers (adapter made for another base model?)"
             )
-        _check_shape(tensor_name, tensor, match["ab"], shapes[module])
+        _check_shape(tensor_name, entry, match["ab"], shapes[module])
         found.setdefault((layer, module), {})[match["ab"]] = tensor_name
     if not found:
         raise AdapterError(f"{WEIGHTS_NAME} holds no LoRA tensors")
@@ -289,28 +704,32 @@ def _pair_lora_tensors(
     return {k: (v["A"], v["B"]) for k, v in found.items()}
 
 
-def _check_shape(tensor_name: str, tensor: torch.Tensor, ab: str, out_in: tuple[int, int]) -> None:
-    if not tensor.is_floating_point():
-        raise AdapterError(f"tensor {tensor_name!r} has dtype {tensor.dtype}, need floating point")
+def _check_shape(tensor_name: str, entry: _TensorEntry, ab: str, out_in: tuple[int, int]) -> None:
+    if entry.dtype not in _SERVABLE:
+        raise AdapterError(
+            f"tensor {tensor_name!r} has dtype {entry.torch_dtype_name}, {_NEED_FLOAT}"
+        )
     out_features, in_features = out_in
-    shape = tuple(tensor.shape)
+    shape = entry.shape
     ok = len(shape) == 2 and (shape[1] == in_features if ab == "A" else shape[0] == out_features)
     if not ok:
         expected = f"[r, {in_features}]" if ab == "A" else f"[{out_features}, r]"
         raise AdapterError(
-            f"tensor {tensor_name!r} has shape {list(shape)}, expected {expected} for this "
-            "base model (adapter made for another base architecture?)"
+            f"tensor {tensor_name!r} has shape {reprlib.repr(list(shape))}, expected "
+            f"{expected} for this base model (adapter made for another base architecture?)"
         )
 
 
-def _check_ranks(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, max_rank: int) -> None:
-    if a.shape[0] != b.shape[1]:
+def _check_ranks(
+    a_name: str, a_shape: tuple[int, ...], b_name: str, b_shape: tuple[int, ...], max_rank: int
+) -> None:
+    if a_shape[0] != b_shape[1]:
         raise AdapterError(
-            f"rank mismatch: {a_name!r} has rank {a.shape[0]} but {b_name!r} has rank {b.shape[1]}"
+            f"rank mismatch: {a_name!r} has rank {a_shape[0]} but {b_name!r} has rank {b_shape[1]}"
         )
-    if a.shape[0] > max_rank:
+    if a_shape[0] > max_rank:
         raise AdapterError(
-            f"rank {a.shape[0]} of {_module_key(a_name)} exceeds max_lora_rank {max_rank}"
+            f"rank {a_shape[0]} of {_module_key(a_name)} exceeds max_lora_rank {max_rank}"
         )
 
 
@@ -324,34 +743,6 @@ def _module_key(tensor_name: str) -> str:
     match = _TENSOR_NAME.fullmatch(tensor_name)
     assert match is not None
     return match["key"]
-
-
-def _pattern_value(pattern: dict[str, Any], module_key: str, default: Any) -> Any:
-    """PEFT's rule: the first key (in file order) that matches the whole name or a dotted
-    suffix of it, as a regex, wins."""
-    for key in pattern:
-        try:
-            matched = re.match(rf"(.*\.)?({key})$", module_key)
-        except re.error as err:
-            raise AdapterError(f"pattern key {key!r} is not a valid regex: {err}") from None
-        if matched:
-            return pattern[key]
-    return default
-
-
-def _module_scaling(config: dict[str, Any], module_key: str, tensor_rank: int) -> float:
-    r = config.get("r", _PEFT_DEFAULTS["r"])
-    alpha = config.get("lora_alpha", _PEFT_DEFAULTS["lora_alpha"])
-    r = _pattern_value(config.get("rank_pattern") or {}, module_key, r)
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module_key, alpha)
-    if r != tensor_rank:
-        raise AdapterError(
-            f"{module_key} has rank {tensor_rank} in {WEIGHTS_NAME} but {CONFIG_NAME} "
-            f"gives r={r} for it"
-        )
-    if config.get("use_rslora"):
-        return float(alpha) / math.sqrt(r)
-    return float(alpha) / r
 
 
 def _identity_key(

@@ -48,6 +48,8 @@ class LoRASlots:
         """adapter key -> slot, least recently used first."""
         self._adapters: list[LoRAAdapter | None] = [None] * max_loras
         self._recent_loads: list[tuple[int, LoRAAdapter]] = []
+        self.failed_adapter: LoRAAdapter | None = None
+        """The adapter whose write failed in the last `activate` (its slot stays empty)."""
         self.stats = SlotStats()
 
     @property
@@ -71,10 +73,21 @@ class LoRASlots:
         for key in wanted:
             if key in self._slot_of:
                 self._slot_of.move_to_end(key)
+        self.failed_adapter = None
         for key, adapter in wanted.items():
             if key not in self._slot_of:
-                self.load(adapter, self._free_slot(wanted))
+                try:
+                    self.load(adapter, self._free_slot(wanted))
+                except Exception:
+                    self.failed_adapter = adapter
+                    raise
         return {key: self._slot_of[key] for key in wanted}
+
+    def clear(self) -> None:
+        """Empties every slot (after a failed step, nothing in them is trusted)."""
+        self._slot_of.clear()
+        self._adapters = [None] * self.max_loras
+        self._recent_loads = []
 
     def take_loads(self) -> list[tuple[int, LoRAAdapter]]:
         """(slot, adapter) written since the last call: what tensor-parallel workers
@@ -100,6 +113,7 @@ class LoRASlots:
         previous = self._adapters[slot]
         if previous is not None:
             self._slot_of.pop(previous.key, None)
+        self._adapters[slot] = None
         for module in self.projections:
             module.lora.a[slot].zero_()
             module.lora.b[slot].zero_()

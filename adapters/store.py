@@ -5,10 +5,19 @@
     host LRU cache     up to `max_cpu_loras` validated adapters (`LoRAAdapter`) in memory
     device slots       adapters/slots.py, filled by the model runner each step
 
-Loads run on a small thread pool (`load_async`), never on the engine's step loop. A
-cached adapter is reused only while its files are unchanged (size and mtime of both
-files), so an adapter rewritten in place under the same name is loaded again and gets
-a new identity key (its weights hash), and with it a fresh prefix-cache namespace.
+Loads run on a small thread pool (`load_async`), never on the engine's step loop.
+Copies are cached per (folder, version):
+- with a `version` (the Serve catalog's, which grows on every register and unload), a
+  copy is pinned: the folder is read once per version, and a new version always reads
+  the files again, so an adapter rewritten in place and then unloaded is served with
+  its new weights even if size and mtime were kept; its identity key is the hash of
+  what was read, so it also gets a fresh prefix-cache namespace;
+- without one (offline use), a copy is reused while the files' size and mtime are
+  unchanged, and read again otherwise.
+
+A load with a `root` (a tenant's adapter root) opens the folder and its files under
+that root without following any symbolic link, at the moment of reading
+(peft_format.load_peft_adapter), so a link swapped in after registration is refused.
 """
 
 from __future__ import annotations
@@ -31,8 +40,11 @@ logger = logging.getLogger(__name__)
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FILES = ("adapter_config.json", "adapter_model.safetensors")
 
-Loader = Callable[[Path, ModelArch, int, str], LoRAAdapter]
-"""(folder, base arch, max rank, name) -> validated adapter; `load_peft_adapter` by default."""
+Loader = Callable[..., LoRAAdapter]
+"""(folder, base arch, max rank, name[, root=...]) -> validated adapter;
+`load_peft_adapter` by default. `root` is passed only for contained loads."""
+CacheKey = tuple[Path, int | None]
+"""(folder, catalog version or None)"""
 
 
 @dataclass
@@ -72,8 +84,8 @@ class AdapterStore:
         self.loader = loader
         self.stats = StoreStats()
         self._registry: dict[str, Path] = {}
-        self._cache: OrderedDict[Path, tuple[tuple, LoRAAdapter]] = OrderedDict()
-        self._inflight: dict[Path, Future[LoRAAdapter]] = {}
+        self._cache: OrderedDict[CacheKey, tuple[tuple, LoRAAdapter]] = OrderedDict()
+        self._inflight: dict[CacheKey, Future[LoRAAdapter]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="loraplex-adapter-load")
         if root is not None:
@@ -107,21 +119,28 @@ class AdapterStore:
             folder = self._registry.pop(name, None)
             if folder is None:
                 raise AdapterError(f"adapter {name!r} is not registered")
-            self._cache.pop(folder, None)
+            for key in [k for k in self._cache if k[0] == folder]:
+                del self._cache[key]
         logger.info("adapter %s unregistered", name)
 
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._registry)
 
-    def resolve(self, spec: str | Path, name: str | None = None) -> tuple[str, Path]:
-        """A registered name, or else an adapter folder path -> (name, resolved folder).
-        `name` labels a folder in logs and metrics (default: the folder's name)."""
+    def resolve(
+        self, spec: str | Path, name: str | None = None, root: Path | None = None
+    ) -> tuple[str, Path]:
+        """A registered name, or else an adapter folder path -> (name, folder).
+        `name` labels a folder in logs and metrics (default: the folder's name). A
+        folder under a `root` stays as given (the loader checks it without following
+        links); other folders are resolved."""
         with self._lock:
             folder = self._registry.get(str(spec))
         if folder is not None:
             return str(spec), folder
         path = Path(spec).expanduser()
+        if root is not None:
+            return name or path.name, path
         if path.is_dir():
             path = path.resolve()
             return name or path.name, path
@@ -130,46 +149,65 @@ class AdapterStore:
         )
 
     # ---- host cache ------------------------------------------------------------------
-    def load(self, spec: str | Path, name: str | None = None) -> LoRAAdapter:
+    def load(
+        self,
+        spec: str | Path,
+        name: str | None = None,
+        root: Path | None = None,
+        version: int | None = None,
+    ) -> LoRAAdapter:
         """The validated adapter for a name or folder, from the cache or from disk."""
-        return self.load_async(spec, name).result()
+        return self.load_async(spec, name, root, version).result()
 
-    def load_async(self, spec: str | Path, name: str | None = None) -> Future[LoRAAdapter]:
-        """Like `load`, on the store's thread pool; one disk read per folder at a time."""
-        name, folder = self.resolve(spec, name)
-        signature = _signature(folder)
+    def load_async(
+        self,
+        spec: str | Path,
+        name: str | None = None,
+        root: Path | None = None,
+        version: int | None = None,
+    ) -> Future[LoRAAdapter]:
+        """Like `load`, on the store's thread pool; one disk read per folder and version
+        at a time. `root`: the folder must lie under it, reached without links;
+        `version`: pins the copy to that version (see the module docstring)."""
+        name, folder = self.resolve(spec, name, root)
+        key = (folder, version)
+        signature = _signature(folder) if version is None else ()
         with self._lock:
-            cached = self._cache.get(folder)
+            cached = self._cache.get(key)
             if cached is not None and cached[0] == signature and cached[1].name == name:
-                self._cache.move_to_end(folder)
+                self._cache.move_to_end(key)
                 self.stats.hits += 1
                 done: Future[LoRAAdapter] = Future()
                 done.set_result(cached[1])
                 return done
-            future = self._inflight.get(folder)
+            future = self._inflight.get(key)
             if future is None:
-                future = self._pool.submit(self._read, name, folder, signature)
-                self._inflight[folder] = future
+                future = self._pool.submit(self._read, name, key, root, signature)
+                self._inflight[key] = future
             return future
 
-    def _read(self, name: str, folder: Path, signature: tuple) -> LoRAAdapter:
+    def _read(self, name: str, key: CacheKey, root: Path | None, signature: tuple) -> LoRAAdapter:
+        folder = key[0]
         started = time.perf_counter()
         try:
-            adapter = self.loader(folder, self.arch, self.max_rank, name)
+            if root is None:
+                adapter = self.loader(folder, self.arch, self.max_rank, name)
+            else:
+                adapter = self.loader(folder, self.arch, self.max_rank, name, root=root)
         except Exception:
             with self._lock:
                 self.stats.failures += 1
-                self._inflight.pop(folder, None)
+                self._inflight.pop(key, None)
             raise
         elapsed = time.perf_counter() - started
         with self._lock:
-            self._inflight.pop(folder, None)
-            self._cache[folder] = (signature, adapter)
-            self._cache.move_to_end(folder)
+            self._inflight.pop(key, None)
+            self._cache[key] = (signature, adapter)
+            self._cache.move_to_end(key)
             while len(self._cache) > self.max_cpu_loras:
                 evicted, (_, old) = self._cache.popitem(last=False)
                 self.stats.evictions += 1
-                logger.info("adapter %s evicted from host memory (%s)", old.name, evicted)
+                logger.info("adapter %s evicted from host memory (%s)", old.name, evicted[0])
             self.stats.loads += 1
             self.stats.load_seconds.append(elapsed)
         logger.info(
@@ -183,10 +221,12 @@ class AdapterStore:
         )
         return adapter
 
-    def evict(self, folder: str | Path) -> bool:
-        """Drops a folder's host copy (requests already holding it keep theirs)."""
+    def evict(self, folder: str | Path, version: int | None = None) -> bool:
+        """Drops the host copy of a folder (at `version`, or the unversioned one);
+        requests already holding it keep theirs."""
+        key = (Path(folder) if version is not None else Path(folder).resolve(), version)
         with self._lock:
-            evicted = self._cache.pop(Path(folder).resolve(), None) is not None
+            evicted = self._cache.pop(key, None) is not None
         if evicted:
             self.stats.evictions += 1
             logger.info("adapter at %s evicted from host memory", folder)

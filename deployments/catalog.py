@@ -49,6 +49,9 @@ class AdapterEntry:
     name: str
     folder: Path
     version: int = 0
+    root: Path | None = None
+    """The owner's adapter root for a tenant adapter (its files are read under it without
+    following links, and its copy is pinned to `version`); None for shared adapters."""
 
     @property
     def model_id(self) -> str:
@@ -69,6 +72,8 @@ def contained_folder(root: Path, relative: str) -> Path:
     paths, no '..', no symlink (folder or file) leaving the root."""
     if not relative or Path(relative).is_absolute() or "\x00" in relative:
         raise CatalogError(400, f"adapter path {relative!r} must be relative to your adapter root")
+    if root.is_symlink():
+        raise CatalogError(400, "your adapter root is a symbolic link; it must be a directory")
     root = root.resolve()
     folder = (root / relative).resolve()
     if not folder.is_relative_to(root) or folder == root:
@@ -127,11 +132,15 @@ class AdapterCatalog:
                 logger.warning("tenant %s adapter %s skipped: %s", tenant, key, exc)
         return entries
 
-    def _entry(self, tenant: str, key: str, record: dict) -> AdapterEntry:
-        """The entry with its folder checked again: files may have changed since."""
+    def _entry(self, tenant: str, key: str, record: dict, check: bool = True) -> AdapterEntry:
+        """The entry with its folder checked again: files may have changed since. The
+        folder stays the recorded path under the tenant's root (no links resolved): the
+        model server reads it without following links, whatever happens after this."""
         base, name = key.split(":", 1)
-        folder = contained_folder(self.tenant_root(tenant), record["path"])
-        return AdapterEntry(tenant, base, name, folder, record["version"])
+        root = self.tenant_root(tenant)
+        if check:
+            contained_folder(root, record["path"])
+        return AdapterEntry(tenant, base, name, root / record["path"], record["version"], root)
 
     def find_tenant(self, tenant: str, base: str, name: str) -> AdapterEntry | None:
         self._refresh()
@@ -183,7 +192,7 @@ class AdapterCatalog:
             }
             self._write(data)
         logger.info("tenant %s registered adapter %s -> %s (v%d)", tenant, key, folder, version)
-        return AdapterEntry(tenant, base, name, folder, version)
+        return AdapterEntry(tenant, base, name, folder, version, tenant_root)
 
     def unload(self, tenant: str, base: str, name: str) -> AdapterEntry:
         """Gives the adapter a new version: replicas drop their copies, the next request
@@ -196,7 +205,7 @@ class AdapterCatalog:
             record["version"] = data["next_version"]
             data["next_version"] += 1
             self._write(data)
-        return self._entry(tenant, f"{base}:{name}", record)
+        return self._entry(tenant, f"{base}:{name}", record, check=False)
 
     def delete(self, tenant: str, base: str, name: str) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loraplex.deployments.catalog import ADAPTER_NAME
-from loraplex.deployments.tenants import TenantConfig
+from loraplex.deployments.tenants import OperatorConfig, TenantConfig
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.model_files import cache_root
 
@@ -61,6 +61,11 @@ class ModelDeploymentConfig(StrictConfig):
         default_factory=dict, description="keywords of EngineConfig.create"
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="wait for in-flight requests on stop")
+    fault_injection: bool = Field(
+        False,
+        description="let callers of the deployment handle arm engine failpoints "
+        "(platform/failpoints.py): for tests and chaos drills, never in production",
+    )
     adapters: dict[str, str] = Field(
         default_factory=dict,
         description="shared LoRA adapters of this base: name -> PEFT adapter folder",
@@ -118,6 +123,11 @@ class PlatformConfig(StrictConfig):
     tenants: list[TenantConfig] = Field(
         default_factory=list, description="API keys and ACLs; none: authentication is off"
     )
+    operator: OperatorConfig = Field(
+        default_factory=OperatorConfig,
+        description="operator keys for /metrics; without any, /metrics carries no tenant or "
+        "adapter names while tenants are configured",
+    )
     adapter_root: str = Field(
         default_factory=default_adapter_root,
         description="tenant adapters are registered from <adapter_root>/<tenant>/...",
@@ -141,6 +151,7 @@ class PlatformConfig(StrictConfig):
             raise ValueError(f"tenant names must be unique, got {tenants}")
         for tenant in self.tenants:
             tenant.key_digests()
+        self.operator.key_digests()
         return self
 
     def shared_adapters(self) -> dict[str, dict[str, str]]:

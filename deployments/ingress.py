@@ -5,7 +5,14 @@ deployment with the adapter as Serve's multiplexed model id, and streams SSE bac
 Every failure leaves as OpenAI's error JSON with its status (errors.py): request bodies
 are parsed here, not by FastAPI, so malformed JSON, non-UTF-8 bytes, wrong types and
 unknown fields all get a 400 with a message, never a 500. A client that disconnects
-cancels its call, which aborts the engine request and frees its KV blocks.
+cancels its call, which aborts the engine request and frees its KV blocks. A request
+that fails after its stream started ends with an OpenAI error event.
+
+Token budgets charge up front: a request reserves its worst case (prompt estimate +
+n x max_tokens) at admission, the exact worst case once the model server counted the
+prompt (first step), and books what it used when it ends. Each tenant's prompts get
+their own prefix-cache namespace (`cache_salt`). /metrics needs an operator key when
+one is configured; without one (and with tenants) it hides tenant and adapter names.
 
 Admin API (a tenant manages its own adapters, nobody else's):
     GET    /v1/adapters                         list
@@ -35,7 +42,7 @@ from ray.serve.handle import DeploymentHandle
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import PlatformConfig
 from loraplex.deployments.errors import OpenAIError, error_response
-from loraplex.deployments.metrics import IngressMetrics, render_prometheus
+from loraplex.deployments.metrics import TENANT_LABELS, IngressMetrics, render_prometheus
 from loraplex.deployments.model_server import GenerateCall, GenerateError, StreamStep
 from loraplex.deployments.protocol import (
     AdapterCard,
@@ -50,7 +57,14 @@ from loraplex.deployments.protocol import (
 )
 from loraplex.deployments.responses import ChoiceAccumulator, sse
 from loraplex.deployments.routing import Route, resolve_model, visible_adapters
-from loraplex.deployments.tenants import AuthError, RateLimited, RateLimiter, Tenant, Tenants
+from loraplex.deployments.tenants import (
+    AuthError,
+    RateLimited,
+    RateLimiter,
+    Tenant,
+    Tenants,
+    bearer_digest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +114,12 @@ def replica_failed(base: str, request_id: str, exc: BaseException) -> OpenAIErro
     )
 
 
+def _error_event(error: OpenAIError) -> str:
+    """An OpenAI error as a server-sent event (once a stream's headers are gone)."""
+    kind = "server_error" if error.status >= 500 else "invalid_request_error"
+    return sse({"error": {"message": error.message, "type": kind, "code": error.status}})
+
+
 def _card(entry: AdapterEntry) -> AdapterCard:
     return AdapterCard(
         id=entry.public_id, parent=entry.base, name=entry.name, version=entry.version
@@ -108,6 +128,29 @@ def _card(entry: AdapterEntry) -> AdapterCard:
 
 def _ip() -> str:
     return ray.util.get_node_ip_address()
+
+
+CHAT_TEMPLATE_TOKENS = 128
+"""Tokens a chat template may add around the messages (its own, not the caller's)."""
+
+
+def prompt_tokens_estimate(call: GenerateCall) -> int:
+    """An estimate of the prompt's tokens before the model server tokenizes it: exact
+    for token ids; for text, one token per UTF-8 byte (a byte-level tokenizer's worst
+    case) plus room for special and template tokens."""
+    if isinstance(call.prompt, list):
+        return len(call.prompt)
+    if call.prompt is not None:
+        return len(call.prompt.encode("utf-8", "replace")) + 8
+    messages = call.messages or []
+    content = sum(len(m.get("content", "").encode("utf-8", "replace")) + 8 for m in messages)
+    return content + CHAT_TEMPLATE_TOKENS
+
+
+def _generate_error(error: GenerateError) -> OpenAIError:
+    return OpenAIError(
+        error.status, error.message, param=error.param, retry_after_s=error.retry_after_s
+    )
 
 
 @serve.deployment
@@ -121,6 +164,7 @@ class OpenAIIngress:
         self.tenants = Tenants(config.tenants)
         self.catalog = AdapterCatalog(config.adapter_root, config.shared_adapters())
         self.limits = RateLimiter()
+        self.operator_digests = frozenset(config.operator.key_digests())
         self.log_prompts = config.log_prompts
         self.metrics = IngressMetrics()
         logger.info(
@@ -143,13 +187,27 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus_metrics(self) -> PlainTextResponse:
+    async def prometheus_metrics(self, request: Request) -> PlainTextResponse:
         """This node's platform metrics (from Ray's metrics agent), Prometheus text."""
+        hidden = self._hidden_metric_labels(request.headers.get("authorization"))
         node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == _ip())
         url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
-        return PlainTextResponse(render_prometheus(text), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            render_prometheus(text, hidden), media_type="text/plain; version=0.0.4"
+        )
+
+    def _hidden_metric_labels(self, authorization: str | None) -> frozenset[str]:
+        """401 without the operator key when one is configured; else the labels this
+        caller may not see (tenant and adapter names, when tenants are configured)."""
+        if self.operator_digests:
+            if bearer_digest(authorization) not in self.operator_digests:
+                raise OpenAIError(
+                    401, "/metrics needs the operator's API key", code="invalid_api_key"
+                )
+            return frozenset()
+        return TENANT_LABELS if self.tenants.auth_enabled else frozenset()
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> ModelList:
@@ -202,9 +260,12 @@ class OpenAIIngress:
             call,
             tenant=tenant.name,
             adapter=route.adapter.public_id if route.adapter else None,
+            max_request_tokens=tenant.tokens_per_minute,
+            cache_salt=tenant.name if self.tenants.auth_enabled else None,
         )
+        estimate = prompt_tokens_estimate(call) + call.params.n * call.params.max_tokens
         try:
-            self.limits.admit(tenant)
+            reserved = self.limits.admit(tenant, estimate)
         except RateLimited as exc:
             self.metrics.record(tenant.name, 429)
             raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
@@ -212,8 +273,9 @@ class OpenAIIngress:
         try:
             steps, first = await self._start(route, call)
         except BaseException:
-            self.limits.release(tenant, 0)
+            self.limits.release(tenant, 0, reserved)
             raise
+        reserved = self.limits.settle(tenant, reserved, first.worst_case_tokens)
         logger.info(
             "request %s tenant=%s model=%s stream=%s",
             call.request_id,
@@ -226,17 +288,19 @@ class OpenAIIngress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(tenant, accumulator, first, steps, include_usage),
+                self._stream(tenant, accumulator, first, steps, include_usage, reserved),
                 media_type="text/event-stream",
             )
         try:
             accumulator.add(first)
             async for step in steps:
+                if isinstance(step, GenerateError):
+                    raise _generate_error(step)
                 accumulator.add(step)
         except RayError as exc:
             raise replica_failed(route.base, call.request_id, exc) from None
         finally:
-            self._finish(tenant, accumulator)
+            self._finish(tenant, accumulator, reserved)
         return JSONResponse(accumulator.final())
 
     async def _start(self, route: Route, call: GenerateCall):
@@ -254,12 +318,12 @@ class OpenAIIngress:
         except RayError as exc:
             raise replica_failed(route.base, call.request_id, exc) from None
         if isinstance(first, GenerateError):
-            raise OpenAIError(first.status, first.message, param=first.param)
+            raise _generate_error(first)
         return steps, first
 
-    def _finish(self, tenant: Tenant, accumulator: ChoiceAccumulator) -> None:
+    def _finish(self, tenant: Tenant, accumulator: ChoiceAccumulator, reserved: int) -> None:
         output_tokens = sum(accumulator.completion_tokens)
-        self.limits.release(tenant, accumulator.prompt_tokens + output_tokens)
+        self.limits.release(tenant, accumulator.prompt_tokens + output_tokens, reserved)
         self.metrics.record(tenant.name, 200, accumulator.prompt_tokens, output_tokens)
 
     async def _stream(
@@ -269,6 +333,7 @@ class OpenAIIngress:
         first: StreamStep,
         steps,
         include_usage: bool,
+        reserved: int,
     ) -> AsyncIterator[str]:
         started = time.monotonic()
         finished = False
@@ -276,6 +341,10 @@ class OpenAIIngress:
             for chunk in accumulator.chunks(first):
                 yield sse(chunk)
             async for step in steps:
+                if isinstance(step, GenerateError):
+                    yield _error_event(_generate_error(step))
+                    finished = True
+                    return
                 for chunk in accumulator.chunks(step):
                     yield sse(chunk)
             if include_usage:
@@ -285,14 +354,13 @@ class OpenAIIngress:
         except RayError as exc:
             # Headers are gone: the failure becomes an OpenAI error event, which the SDK
             # raises as an APIError, and the stream ends.
-            error = replica_failed(accumulator.model, accumulator.request_id, exc)
-            yield sse({"error": {"message": error.message, "type": "server_error", "code": 503}})
+            yield _error_event(replica_failed(accumulator.model, accumulator.request_id, exc))
             finished = True
         finally:
             if not finished:
                 steps.cancel()
                 logger.info("request %s: client went away, aborted", accumulator.request_id)
-            self._finish(tenant, accumulator)
+            self._finish(tenant, accumulator, reserved)
         logger.info(
             "request %s streamed in %.2fs", accumulator.request_id, time.monotonic() - started
         )
@@ -313,7 +381,7 @@ class OpenAIIngress:
         except CatalogError as exc:
             raise _catalog_error(exc) from None
         problem = await self.servers[body.model].validate_adapter.remote(
-            str(folder), f"{body.model}:{body.name}"
+            str(folder), f"{body.model}:{body.name}", str(self.catalog.tenant_root(tenant.name))
         )
         if problem is not None:
             raise OpenAIError(problem.status, f"adapter rejected: {problem.message}")

@@ -89,6 +89,11 @@ class EngineMetrics:
         self.adapter_load = metrics.Histogram(
             "loraplex_adapter_load_seconds", "Adapter load from disk", LOAD_BUCKETS, keys
         )
+        self.restarts = metrics.Gauge(
+            "loraplex_engine_restarts",
+            "Times the replica's engine restarted in place after a failed step",
+            keys,
+        )
         self.resident = metrics.Gauge(
             "loraplex_resident_adapters",
             "Adapters held by the replica, per tier",
@@ -108,6 +113,7 @@ class EngineMetrics:
         if hits > self._last_prefix[1]:
             self.prefix_hits.inc(hits - self._last_prefix[1], self.tags)
         self._last_prefix = (queries, hits)
+        self.restarts.set(stats.get("engine_restarts", 0), self.tags)
         for tier, key in (("device", "lora_resident"), ("host", "lora_host_cached")):
             if key in stats:
                 self.resident.set(stats[key], {**self.tags, "tier": tier})
@@ -157,11 +163,17 @@ class IngressMetrics:
             self.tokens.inc(output_tokens, {"tenant": name, "kind": "generation"})
 
 
-def render_prometheus(ray_text: str) -> str:
+TENANT_LABELS = frozenset({"tenant", "adapter"})
+"""Labels whose values name tenants or their adapters."""
+
+
+def render_prometheus(ray_text: str, hidden_labels: frozenset[str] = frozenset()) -> str:
     """The platform's families from a Ray metrics agent's Prometheus text, renamed to
-    their own names (`ray_vllm_x` -> `vllm:x`), without Ray's per-process labels.
-    Series that then coincide (a counter kept by two ingress processes) are summed;
-    per-replica series stay apart through their own `replica` label."""
+    their own names (`ray_vllm_x` -> `vllm:x`), without Ray's per-process labels nor
+    `hidden_labels` (TENANT_LABELS for callers who may not learn tenant names).
+    Series that then coincide (a counter kept by two ingress processes, or by two
+    tenants once their label is hidden) are summed; per-replica series stay apart
+    through their own `replica` label."""
     lines: list[str] = []
     for family in text_string_to_metric_families(ray_text):
         prefix = next((p for p in OUR_PREFIXES if family.name.startswith(p)), None)
@@ -178,7 +190,7 @@ def render_prometheus(ray_text: str) -> str:
             labels = ",".join(
                 f'{key}="{_escape(value)}"'
                 for key, value in sorted(sample.labels.items())
-                if key not in _RAY_LABELS
+                if key not in _RAY_LABELS and key not in hidden_labels
             )
             key = f"{sample_name}{{{labels}}}"
             series[key] = series.get(key, 0.0) + sample.value

@@ -9,7 +9,15 @@ Its jobs:
   replica and tells Serve's router which replica holds which, so an adapter's requests
   land where it is loaded; an adapter evicted there leaves the engine's host store too;
 - report bad input as a `GenerateError` (the ingress maps it to a 4xx) instead of
-  raising, so nothing a client sends fails the replica;
+  raising, so nothing a client sends fails the replica: that includes a request that
+  alone needs more tokens than its tenant's budget or the KV cache, and a request the
+  engine ended early (its adapter produced NaN: 400; an internal error of that request
+  alone: 500), while the rest of the batch runs on; a step failure that restarted the
+  engine in place is a 503 with Retry-After for the requests it dropped;
+- load tenant adapters under their owner's root without following links, one copy per
+  catalog version (an unload forces a fresh read);
+- keep each tenant's prefix-cache entries apart (`GenerateCall.cache_salt`);
+- arm failpoints (platform/failpoints.py) when the config allows fault injection;
 - record engine and request metrics (metrics.py);
 - fail `check_health` when the engine loop is dead, so Serve replaces the replica;
 - drain in-flight requests on shutdown.
@@ -19,10 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ray import serve
 
@@ -31,8 +41,9 @@ from loraplex.adapters.store import AdapterStore
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
 from loraplex.deployments.config import ModelDeploymentConfig
 from loraplex.deployments.metrics import EngineMetrics
-from loraplex.platform.async_engine import AsyncEngine
+from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
 from loraplex.platform.engine import LLMEngine
+from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.request import Logprob, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,6 +65,11 @@ class GenerateCall:
     max_tokens_given: bool = True
     """False: `params.max_tokens` is a default, shortened to what the context has room
     for. True: a request that cannot fit it is refused (400)."""
+    max_request_tokens: int | None = None
+    """The tenant's tokens-per-minute budget: a request whose worst case (prompt + n x
+    max_tokens) exceeds it can never pass and is refused (400)."""
+    cache_salt: str | None = None
+    """Prefix-cache namespace (the tenant); None shares the cache with every caller."""
 
 
 @dataclass(frozen=True)
@@ -71,21 +87,37 @@ class StreamDelta:
 class StreamStep:
     prompt_tokens: int
     deltas: list[StreamDelta]
+    worst_case_tokens: int = 0
+    """prompt + n x max_tokens as the engine runs it: what the ingress keeps reserved
+    against the tenant's token budget until the request ends."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (the caller's own namespace)."""
 
 
 @dataclass(frozen=True)
 class GenerateError:
+    """A refused or failed request; the first item of a stream, or its last."""
+
     status: int
     message: str
     param: str | None = None
+    retry_after_s: int | None = None
 
 
 class ResidentAdapter:
-    """What `serve.multiplexed` caches per adapter: its catalog entry. When Serve
-    evicts it (LRU past `max_num_models_per_replica`) the engine drops its host copy."""
+    """What `serve.multiplexed` caches per adapter: its catalog entry and the loaded
+    adapter (so a request resolves its adapter once). When Serve evicts it (LRU past
+    `max_num_models_per_replica`) the engine drops its host copy."""
 
-    def __init__(self, entry: AdapterEntry, store: AdapterStore, resident_ids: set[str]) -> None:
+    def __init__(
+        self,
+        entry: AdapterEntry,
+        adapter: LoRAAdapter,
+        store: AdapterStore,
+        resident_ids: set[str],
+    ) -> None:
         self.entry = entry
+        self.adapter = adapter
         self._store = store
         self._resident_ids = resident_ids
         resident_ids.add(entry.model_id)
@@ -93,8 +125,13 @@ class ResidentAdapter:
     def __del__(self) -> None:
         store, self._store = self._store, None
         if store is not None:
-            store.evict(self.entry.folder)
+            store.evict(self.entry.folder, _pinned_version(self.entry))
             self._resident_ids.discard(self.entry.model_id)
+
+
+def _pinned_version(entry: AdapterEntry) -> int | None:
+    """Tenant adapters are pinned per catalog version; shared ones follow their files."""
+    return entry.version if entry.root is not None else None
 
 
 class ModelServer:
@@ -125,26 +162,42 @@ class ModelServer:
         if entry is None:
             raise LookupError(f"adapter {model_id!r} is not in the catalog (deleted or replaced)")
         started = time.perf_counter()
-        await self.engine.load_adapter(str(entry.folder), entry.public_id)
+        adapter = await self.engine.load_adapter(
+            str(entry.folder), entry.public_id, entry.root, _pinned_version(entry)
+        )
         self.metrics.adapter_load.observe(time.perf_counter() - started, self.metrics.tags)
-        return ResidentAdapter(entry, self.engine.engine.adapters, self._resident_ids)
+        return ResidentAdapter(entry, adapter, self.engine.engine.adapters, self._resident_ids)
 
     async def _adapter_for_call(self) -> LoRAAdapter | None:
         model_id = serve.get_multiplexed_model_id() if _in_serve() else ""
         if not model_id:
             return None
-        resident = await self._resident(model_id)
-        entry = resident.entry
-        # A cache hit unless the files changed on disk since (then a reload, new identity).
-        return await self.engine.load_adapter(str(entry.folder), entry.public_id)
+        return (await self._resident(model_id)).adapter
 
-    async def validate_adapter(self, folder: str, name: str) -> GenerateError | None:
-        """Loads and validates an adapter folder against this base model (admin API)."""
+    async def validate_adapter(self, folder: str, name: str, root: str) -> GenerateError | None:
+        """Loads and validates a tenant's adapter folder (under its `root`, read without
+        following links) against this base model (admin API)."""
         try:
-            await self.engine.load_adapter(folder, name)
+            await self.engine.load_adapter(folder, name, Path(root))
         except ValueError as exc:
             return GenerateError(400, str(exc))
         return None
+
+    def arm_failpoint(
+        self,
+        name: str,
+        prompt: list[int] | None = None,
+        times: int | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
+        """Arms a failpoint in this replica's engine (platform/failpoints.py); refused
+        unless the deployment's config sets `fault_injection: true`."""
+        if not self.config.fault_injection:
+            raise PermissionError("fault injection is off for this deployment")
+        FAILPOINTS.arm(name, prompt, times, delay_s)
+
+    def disarm_failpoints(self) -> None:
+        FAILPOINTS.disarm()
 
     def _report_stats(self) -> None:
         while not self._stop.wait(STATS_PERIOD_S):
@@ -176,6 +229,19 @@ class ModelServer:
             )
         return dataclasses.replace(params, max_tokens=room)
 
+    @staticmethod
+    def _worst_case_tokens(call: GenerateCall, num_prompt: int, params: SamplingParams) -> int:
+        """prompt + n x max_tokens; ValueError when that alone exceeds the tenant's budget."""
+        worst = num_prompt + params.n * params.max_tokens
+        budget = call.max_request_tokens
+        if budget is not None and worst > budget:
+            raise ValueError(
+                f"this request may use up to {worst} tokens ({num_prompt} prompt + "
+                f"{params.n} x max_tokens {params.max_tokens}), more than your "
+                f"tokens_per_minute budget of {budget}; lower n or max_tokens"
+            )
+        return worst
+
     def replica_info(self) -> dict:
         """This replica's id, resident adapters and engine state (tests, debugging)."""
         engine = self.engine.engine
@@ -187,6 +253,8 @@ class ModelServer:
             "device_adapters": [a.name for a in engine.runner.lora_slots.resident]
             if engine.runner.lora_slots
             else [],
+            "pid": os.getpid(),
+            "engine_restarts": engine.restarts,
             "free_blocks": engine.kv_cache.pool.num_free,
             "total_blocks": engine.kv_cache.pool.num_blocks,
             "unfinished": engine.has_unfinished(),
@@ -204,7 +272,14 @@ class ModelServer:
             lora = await self._adapter_for_call()
             prompt = self._prompt_ids(call)
             params = self._fit_max_tokens(call, len(prompt))
-            stream = self.engine.generate(prompt, params, request_id=call.request_id, adapter=lora)
+            tracker.worst_case_tokens = self._worst_case_tokens(call, len(prompt), params)
+            stream = self.engine.generate(
+                prompt,
+                params,
+                request_id=call.request_id,
+                adapter=lora,
+                cache_salt=call.cache_salt,
+            )
             async for output in stream:
                 step = tracker.step(output)
                 prompt_tokens = step.prompt_tokens
@@ -214,6 +289,14 @@ class ModelServer:
         except (ValueError, LookupError) as exc:
             logger.info("request %s rejected: %s", call.request_id, exc)
             yield GenerateError(404 if isinstance(exc, LookupError) else 400, str(exc))
+            return
+        except RequestFailedError as exc:
+            logger.warning("request %s failed in the engine: %s", call.request_id, exc)
+            yield GenerateError(400 if exc.failure.client_fault else 500, str(exc))
+            return
+        except EngineRestartedError as exc:
+            logger.warning("request %s dropped by an engine restart", call.request_id)
+            yield GenerateError(503, f"{exc}; retry", retry_after_s=1)
             return
         elapsed = time.perf_counter() - started
         self.metrics.record_request(
@@ -259,6 +342,7 @@ class DeltaTracker:
         return sum(self._tokens)
 
     def __init__(self, n: int) -> None:
+        self.worst_case_tokens = 0
         self._text = [0] * n
         self._tokens = [0] * n
         self._logprobs = [0] * n
@@ -280,4 +364,6 @@ class DeltaTracker:
             self._logprobs[i] += len(logprobs)
             self._finished[i] = completion.finish_reason is not None
             deltas.append(StreamDelta(i, text, new_tokens, completion.finish_reason, logprobs))
-        return StreamStep(len(output.prompt_token_ids), deltas)
+        return StreamStep(
+            len(output.prompt_token_ids), deltas, self.worst_case_tokens, output.num_cached_tokens
+        )

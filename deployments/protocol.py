@@ -1,7 +1,10 @@
 """OpenAI request/response schema (the subset we serve), validated once at the edge.
 
 Unknown fields are rejected (400) rather than silently ignored, so a client relying on
-a parameter we do not implement finds out at once.
+a parameter we do not implement finds out at once. Every number has bounds the engine
+can represent (NaN and Infinity are refused everywhere); what depends on the model
+(top_k against its vocabulary, token ids, lengths against the context and the KV
+cache) is checked by the model server before the request reaches the engine.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from loraplex.deployments.catalog import ADAPTER_NAME
 from loraplex.platform.request import SamplingParams
 
 
+INT32_MAX = 2**31 - 1
+
+
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
@@ -28,19 +34,19 @@ class SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=256)
     # Extensions vLLM users know.
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
@@ -92,7 +98,7 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 

@@ -23,6 +23,7 @@ class ChoiceAccumulator:
         self.chat = chat
         self.created = int(time.time())
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.texts = [""] * n
         self.completion_tokens = [0] * n
         self.finish_reasons: list[str | None] = [None] * n
@@ -35,6 +36,7 @@ class ChoiceAccumulator:
 
     def add(self, step: StreamStep) -> None:
         self.prompt_tokens = step.prompt_tokens
+        self.cached_tokens = step.cached_tokens
         for delta in step.deltas:
             self.texts[delta.index] += delta.text
             self.completion_tokens[delta.index] += delta.num_new_tokens
@@ -63,12 +65,13 @@ class ChoiceAccumulator:
             f"{self.object_name}.chunk" if self.chat else self.object_name, [choice]
         )
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = sum(self.completion_tokens)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def usage_chunk(self) -> dict[str, Any]:

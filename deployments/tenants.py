@@ -28,30 +28,17 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class TenantConfig(BaseModel):
-    """One tenant as serve_config.yaml declares it."""
+class ApiKeys(BaseModel):
+    """API keys as a config lists them: digests, or environment variables to hash."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(pattern=TENANT_NAME, description="tenant id; scopes its adapter names")
     api_key_sha256: list[str] = Field(
-        default_factory=list, description="hex SHA-256 digests of the tenant's API keys"
+        default_factory=list, description="hex SHA-256 digests of the API keys"
     )
     api_key_env: list[str] = Field(
         default_factory=list, description="environment variables holding API keys in clear"
     )
-    models: list[str] = Field(
-        default_factory=lambda: ["*"], description="base models it may call ('*': all)"
-    )
-    shared_adapters: list[str] = Field(
-        default_factory=list,
-        description="shared adapters it may call: 'base:adapter', 'base:*' or '*:*'",
-    )
-    max_concurrent_requests: int | None = Field(None, ge=1, description="in-flight requests")
-    tokens_per_minute: int | None = Field(
-        None, ge=1, description="prompt + generated tokens per rolling minute"
-    )
-    max_adapters: int = Field(64, ge=0, description="adapters it may register")
 
     @field_validator("api_key_sha256")
     @classmethod
@@ -67,9 +54,41 @@ class TenantConfig(BaseModel):
         for variable in self.api_key_env:
             value = os.environ.get(variable)
             if not value:
-                raise ValueError(f"tenant {self.name!r}: environment variable {variable} is unset")
+                raise ValueError(f"{self._owner()}: environment variable {variable} is unset")
             digests.append(hash_key(value))
         return digests
+
+    def _owner(self) -> str:
+        return "operator"
+
+
+class TenantConfig(ApiKeys):
+    """One tenant as serve_config.yaml declares it."""
+
+    name: str = Field(pattern=TENANT_NAME, description="tenant id; scopes its adapter names")
+    models: list[str] = Field(
+        default_factory=lambda: ["*"], description="base models it may call ('*': all)"
+    )
+    shared_adapters: list[str] = Field(
+        default_factory=list,
+        description="shared adapters it may call: 'base:adapter', 'base:*' or '*:*'",
+    )
+    max_concurrent_requests: int | None = Field(None, ge=1, description="in-flight requests")
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="prompt + generated tokens per rolling minute; a request's worst case "
+        "(prompt + n x max_tokens) is reserved at admission and settled when it ends",
+    )
+    max_adapters: int = Field(64, ge=0, description="adapters it may register")
+
+    def _owner(self) -> str:
+        return f"tenant {self.name!r}"
+
+
+class OperatorConfig(ApiKeys):
+    """The operator's credentials: they unlock the full /metrics (tenant and adapter
+    labels) for Prometheus (`authorization: {credentials: <key>}` in a scrape config)."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +141,10 @@ class Tenants:
         """The tenant holding the `Authorization: Bearer <key>` key; AuthError if none."""
         if not self.auth_enabled:
             return self._anonymous
-        if not authorization or not authorization.lower().startswith("bearer "):
+        digest = bearer_digest(authorization)
+        if digest is None:
             raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
-        tenant = self._by_digest.get(hash_key(authorization[7:].strip()))
+        tenant = self._by_digest.get(digest)
         if tenant is None:
             raise AuthError("invalid API key")
         return tenant
@@ -135,6 +155,8 @@ class _Usage:
     in_flight: int = 0
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
     tokens_in_window: int = 0
+    reserved: int = 0
+    """Worst-case tokens of the requests in flight, not yet booked in the window."""
 
 
 class RateLimited(Exception):
@@ -145,12 +167,23 @@ class RateLimited(Exception):
         self.retry_after_s = retry_after_s
 
 
+def bearer_digest(authorization: str | None) -> str | None:
+    """SHA-256 of the key in an `Authorization: Bearer <key>` header, or None."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        return None
+    return hash_key(authorization[7:].strip())
+
+
 class RateLimiter:
     """Per-tenant concurrency and tokens-per-minute limits of one ingress replica.
 
-    `admit` reserves a request slot (429 when the tenant is at its limit or its last
-    minute's tokens reached its budget); `release` returns it and books the tokens the
-    request used. With several ingress replicas each enforces the limits on its own share.
+    `admit` takes a request slot and reserves the request's worst-case tokens (at most
+    the whole budget; 429 when the tenant is at its concurrency limit, or when its last
+    minute's tokens plus what its requests in flight have reserved leave no room);
+    `settle` replaces the reservation with the exact worst case once the model server
+    has counted the prompt; `release` returns the slot and the reservation and books
+    the tokens the request used. With several ingress replicas each enforces the limits
+    on its own share.
     """
 
     WINDOW_S = 60.0
@@ -159,7 +192,8 @@ class RateLimiter:
         self._usage: dict[str, _Usage] = {}
         self._lock = threading.Lock()
 
-    def admit(self, tenant: Tenant) -> None:
+    def admit(self, tenant: Tenant, tokens: int = 0) -> int:
+        """Admits a request that may use up to `tokens`; returns the tokens reserved."""
         with self._lock:
             usage = self._usage.setdefault(tenant.name, _Usage())
             self._expire(usage, time.monotonic())
@@ -171,23 +205,53 @@ class RateLimiter:
                     retry_after_s=1,
                 )
             budget = tenant.tokens_per_minute
-            if budget is not None and usage.tokens_in_window >= budget:
-                oldest = usage.tokens[0][0]
-                wait = max(1, int(oldest + self.WINDOW_S - time.monotonic()) + 1)
-                raise RateLimited(
-                    f"tenant {tenant.name!r} used {usage.tokens_in_window} tokens in the last "
-                    f"minute (limit {budget})",
-                    retry_after_s=wait,
-                )
+            reserve = 0
+            if budget is not None:
+                reserve = min(max(tokens, 0), budget)
+                committed = usage.tokens_in_window + usage.reserved
+                if committed > 0 and (committed >= budget or committed + reserve > budget):
+                    raise RateLimited(
+                        f"tenant {tenant.name!r} used {usage.tokens_in_window} tokens in the "
+                        f"last minute and has {usage.reserved} reserved by requests in flight; "
+                        f"this request may use up to {reserve} (limit {budget})",
+                        retry_after_s=self._retry_after(usage),
+                    )
+                usage.reserved += reserve
             usage.in_flight += 1
+            return reserve
 
-    def release(self, tenant: Tenant, tokens: int) -> None:
+    def settle(self, tenant: Tenant, reserved: int, tokens: int) -> int:
+        """Replaces a reservation of `reserved` with one of `tokens` (capped at the
+        budget); returns the new reservation."""
+        budget = tenant.tokens_per_minute
+        new = min(max(tokens, 0), budget) if budget is not None else 0
+        with self._lock:
+            usage = self._usage.setdefault(tenant.name, _Usage())
+            usage.reserved = max(0, usage.reserved - reserved + new)
+        return new
+
+    def release(self, tenant: Tenant, tokens: int, reserved: int = 0) -> None:
         with self._lock:
             usage = self._usage.setdefault(tenant.name, _Usage())
             usage.in_flight = max(0, usage.in_flight - 1)
+            usage.reserved = max(0, usage.reserved - reserved)
             if tokens > 0:
                 usage.tokens.append((time.monotonic(), tokens))
                 usage.tokens_in_window += tokens
+
+    def in_use(self, tenant: Tenant) -> tuple[int, int]:
+        """(requests in flight, tokens reserved) of a tenant."""
+        with self._lock:
+            usage = self._usage.get(tenant.name, _Usage())
+            return usage.in_flight, usage.reserved
+
+    def _retry_after(self, usage: _Usage) -> int:
+        """Seconds until the oldest booked tokens leave the window (1 when only
+        reservations of requests in flight stand in the way)."""
+        if not usage.tokens:
+            return 1
+        oldest = usage.tokens[0][0]
+        return max(1, int(oldest + self.WINDOW_S - time.monotonic()) + 1)
 
     def _expire(self, usage: _Usage, now: float) -> None:
         while usage.tokens and usage.tokens[0][0] <= now - self.WINDOW_S:

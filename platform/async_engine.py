@@ -5,8 +5,18 @@ its adapter to load (on the adapter store's threads, so the step loop keeps serv
 other requests meanwhile), hands the request to the loop thread and yields cumulative RequestOutputs as they arrive; when
 the consumer lags, only the newest output is kept (each one contains the previous).
 Leaving the iterator early (client disconnect, cancellation) aborts the request, which
-frees its KV blocks on the next loop turn. If the loop dies, every waiting consumer
-gets an EngineDeadError and `check_health()` raises it.
+frees its KV blocks on the next loop turn.
+
+Failures stay as small as they can:
+- a request the engine ended early (its sampling failed, its adapter produced NaN)
+  raises `RequestFailedError` in its own consumer only;
+- a step that fails for any other reason may have left shared state (KV cache, LoRA
+  slots) half-written: the loop fails every in-flight request with `EngineRestartedError`,
+  resets the engine (`LLMEngine.reset`: same weights, fresh blocks and slots) and goes on
+  serving, in well under a second. Restarts in quick succession are spaced out;
+- only when a reset is impossible (tensor parallelism: a worker may be stuck in a
+  collective) or fails does the loop die: every consumer gets an EngineDeadError,
+  `check_health()` raises it, and Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -19,16 +29,35 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.engine import LLMEngine
-from loraplex.platform.request import Request, RequestOutput, SamplingParams
+from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can make progress on this engine."""
+
+
+class EngineRestartedError(RuntimeError):
+    """A step failed outside any one request; the engine dropped every in-flight
+    request and restarted in place. A retry is served by the same engine."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended this request early; the rest of its batch ran on."""
+
+    def __init__(self, failure: RequestFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+RESTART_WINDOW_S = 60.0
+RESTARTS_BEFORE_BACKOFF = 3
+BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +99,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._stopping = threading.Event()
+        self._restart_times: list[float] = []
         self.last_step_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
@@ -82,14 +112,19 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         adapter: str | LoRAAdapter | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs until the request finishes. ValueError on bad input
-        (an unknown or invalid adapter included). `adapter`: a registered name, an
-        adapter folder or a loaded adapter; None runs the base model."""
+        (an unknown or invalid adapter included); RequestFailedError when the engine
+        ends the request early; EngineRestartedError / EngineDeadError when the engine
+        restarts or dies under it. `adapter`: a registered name, an adapter folder or a
+        loaded adapter; None runs the base model. `cache_salt`: see make_request_group."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
         lora = await self.load_adapter(adapter)
-        group = self.engine.make_request_group(request_id, prompt, params, priority, lora=lora)
+        group = self.engine.make_request_group(
+            request_id, prompt, params, priority, lora=lora, cache_salt=cache_salt
+        )
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -101,6 +136,8 @@ class AsyncEngine:
             while not finished:
                 output = await stream.newest()
                 finished = output.finished
+                if output.error is not None:
+                    raise RequestFailedError(output.error)
                 yield output
         finally:
             with self._lock:
@@ -109,15 +146,20 @@ class AsyncEngine:
                 self._send(_Abort(request_id))
 
     async def load_adapter(
-        self, adapter: str | LoRAAdapter | None, name: str | None = None
+        self,
+        adapter: str | LoRAAdapter | None,
+        name: str | None = None,
+        root: Path | None = None,
+        version: int | None = None,
     ) -> LoRAAdapter | None:
         """Loads an adapter (a registered name or a folder, labelled `name`) off the event
-        loop and off the engine loop."""
+        loop and off the engine loop; `root` and `version` as in AdapterStore.load."""
         if adapter is None or isinstance(adapter, LoRAAdapter):
             return adapter
         if self.engine.adapters is None:
             raise ValueError("LoRA is disabled on this engine (max_loras=0)")
-        return await asyncio.wrap_future(self.engine.adapters.load_async(adapter, name))
+        future = self.engine.adapters.load_async(adapter, name, root, version)
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
@@ -152,25 +194,71 @@ class AsyncEngine:
 
     # ---- loop thread -------------------------------------------------------------------
     def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._turn()
+            except Exception as exc:
+                if not self._restart(exc):
+                    return
+            except BaseException as exc:
+                self._die(exc)
+                return
+
+    def _turn(self) -> None:
+        """One loop turn: apply queued adds and aborts, then step (or idle)."""
+        self._apply_commands()
+        if not self.engine.has_unfinished():
+            self._wakeup.wait(self._idle_poll_s)
+            self._wakeup.clear()
+            self.last_step_time = time.monotonic()
+            return
+        for output in self.engine.step():
+            self._deliver(output.request_id, output)
+        self.last_step_time = time.monotonic()
+
+    def _restart(self, exc: Exception) -> bool:
+        """Fails the in-flight requests and resets the engine; False (the loop died)
+        when the engine cannot be reset."""
+        logger.error("engine step failed, restarting the engine in place", exc_info=exc)
+        self._drop_commands()
         try:
-            while not self._stopping.is_set():
-                self._apply_commands()
-                if not self.engine.has_unfinished():
-                    self._wakeup.wait(self._idle_poll_s)
-                    self._wakeup.clear()
-                    self.last_step_time = time.monotonic()
-                    continue
-                for output in self.engine.step():
-                    self._deliver(output.request_id, output)
-                self.last_step_time = time.monotonic()
-        except BaseException as exc:
-            self._error = exc
-            logger.exception("engine loop died")
-            dead = EngineDeadError(f"engine loop died: {exc!r}")
-            with self._lock:
-                streams = list(self._streams.values())
-            for stream in streams:
-                stream.put(dead)
+            self.engine.reset()
+        except Exception as reset_error:
+            logger.exception("engine reset failed")
+            self._die(reset_error)
+            return False
+        self._fail_streams(EngineRestartedError(f"the engine restarted after an error: {exc!r}"))
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if t > now - RESTART_WINDOW_S]
+        self._restart_times.append(now)
+        logger.warning(
+            "engine restarted in place (%d restart(s) in the last %.0fs)",
+            len(self._restart_times),
+            RESTART_WINDOW_S,
+        )
+        if len(self._restart_times) > RESTARTS_BEFORE_BACKOFF:
+            self._stopping.wait(BACKOFF_S)
+        self.last_step_time = time.monotonic()
+        return True
+
+    def _die(self, exc: BaseException) -> None:
+        self._error = exc
+        logger.error("engine loop died", exc_info=exc)
+        self._fail_streams(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _fail_streams(self, error: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(error)
+
+    def _drop_commands(self) -> None:
+        """Forgets queued adds and aborts (their streams are failed next)."""
+        while True:
+            try:
+                self._commands.get_nowait()
+            except queue.Empty:
+                return
 
     def _apply_commands(self) -> None:
         while True:

@@ -90,6 +90,13 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, block)
 
+    def uncache(self, block: Block) -> None:
+        """Withdraws a block from the prefix cache (its K/V is not, or no longer, trusted)."""
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+
     def num_evictable_among(self, blocks: Iterable[Block]) -> int:
         """How many of `blocks` sit in the free queue (acquiring them uses up free room)."""
         return sum(1 for block in blocks if block.ref_count == 0)

@@ -1,4 +1,9 @@
-"""LLMEngine: add_request / step / abort. One step = schedule -> execute -> update."""
+"""LLMEngine: add_request / step / abort. One step = schedule -> execute -> update.
+
+A step's failure that belongs to some requests ends just those (with an `error` on
+their output); a failure of shared state propagates, and `reset()` then drops every
+request and every cached block and slot so the same engine can go on (async_engine.py).
+"""
 
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ from loraplex.kernels.selection import kernel_backend
 from loraplex.platform.block_pool import BlockPool
 from loraplex.platform.config import CacheConfig, EngineConfig
 from loraplex.platform.cpu_allocator import keep_freed_memory
+from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_files import resolve_model_folder
-from loraplex.platform.model_runner import ModelRunner
+from loraplex.platform.model_runner import AdapterActivationError, ModelRunner
 from loraplex.platform.models.arch import ModelArch
 from loraplex.platform.models.registry import allocate_kv_caches, load_model
 from loraplex.platform.output_processor import OutputProcessor
@@ -30,8 +36,8 @@ from loraplex.platform.parallel.workers import (
     model_weight_bytes,
     tensor_bytes,
 )
-from loraplex.platform.request import Request, RequestOutput, SamplingParams
-from loraplex.platform.scheduler import Scheduler
+from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
+from loraplex.platform.scheduler import Scheduler, SchedulerOutput
 from loraplex.platform.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -116,9 +122,7 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(
             arch, num_blocks, cache.block_size, config.model.dtype, self.device, layout.num_kv_heads
         )
-        self.kv_cache = KVCacheManager(
-            BlockPool(num_blocks), cache.block_size, cache.enable_prefix_caching
-        )
+        self.num_blocks = num_blocks
         self.adapters: AdapterStore | None = None
         lora_slots = None
         if lora.enabled:
@@ -128,13 +132,11 @@ class LLMEngine:
             lora_slots = LoRASlots(
                 model.lora_targets(), lora.max_loras, lora.max_lora_rank, self.kernel_backend
             )
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache, self.max_model_len, lora.max_loras
-        )
+        self._build_request_state()
         self.runner = ModelRunner(
             model, kv_caches, cache.block_size, self.device, lora_slots, self.workers
         )
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        self.restarts = 0
         if self.workers is not None:
             for shard in self.shard_memory():
                 logger.info(
@@ -162,6 +164,30 @@ class LLMEngine:
             lora.max_lora_rank,
             (lora_slots.num_bytes if lora_slots else 0) / 2**20,
         )
+
+    def _build_request_state(self) -> None:
+        """Fresh block pool, block tables, scheduler queues and output groups."""
+        config = self.config
+        self.kv_cache = KVCacheManager(
+            BlockPool(self.num_blocks), config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, self.max_model_len, config.lora.max_loras
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+
+    def reset(self) -> None:
+        """Drops every request, every cached KV block and every LoRA slot, keeping the
+        weights: what a failed step may have left half-done is no longer trusted. Not
+        possible under tensor parallelism (the workers may be inside a collective)."""
+        if self.workers is not None:
+            raise RuntimeError("a tensor-parallel engine cannot be reset in place")
+        queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
+        self._build_request_state()
+        self.kv_cache.prefix_queries, self.kv_cache.prefix_hits = queries, hits
+        if self.runner.lora_slots is not None:
+            self.runner.lora_slots.clear()
+        self.restarts += 1
 
     def _start_workers(self, folder, num_blocks: int) -> TPWorkers:
         config = self.config
@@ -232,9 +258,11 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora: LoRAAdapter | None = None,
+        cache_salt: str | None = None,
     ) -> list[Request]:
         """Validates a prompt and builds its n Requests. Raises ValueError on bad input.
-        `lora` is an adapter already loaded (see `load_adapter`)."""
+        `lora` is an adapter already loaded (see `load_adapter`); `cache_salt` keeps the
+        request's prefix-cache entries apart from other salts' (one per tenant)."""
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: it must contain at least one token")
@@ -247,6 +275,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        self.check_fits_model(params, len(token_ids))
+        salt = cache_salt.encode() if cache_salt is not None else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         n = params.n
         return [
@@ -260,9 +290,33 @@ class LLMEngine:
                 lora=lora,
                 group_id=request_id,
                 index=index,
+                cache_salt=salt,
             )
             for index in range(n)
         ]
+
+    def check_fits_model(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """ValueError unless the model can represent `params` and the KV cache can hold
+        the request's worst case (its n completions at full length) at once."""
+        vocab = self.arch.vocab_size
+        if params.top_k > vocab:
+            raise ValueError(
+                f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}"
+            )
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}")
+        size = self.config.cache.block_size
+        full_length = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+        shared_prompt_blocks = num_prompt_tokens // size
+        per_child = -(-full_length // size) - shared_prompt_blocks
+        needed = shared_prompt_blocks + params.n * per_child
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"this request needs up to {needed} KV cache blocks ({params.n} completions of up "
+                f"to {full_length} tokens, block size {size}), more than the "
+                f"{self.num_blocks} the cache holds; lower n or max_tokens"
+            )
 
     def add_group(self, group: list[Request]) -> None:
         group_id = group[0].group_id
@@ -296,12 +350,38 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration. A failure that belongs to requests (their sampling, their
+        logits, their adapter's slot) ends only those requests; anything else raises,
+        and the caller resets the engine (`reset`)."""
+        if FAILPOINTS.active:
+            FAILPOINTS.hit("engine.delay")
         output = self.scheduler.schedule()
         if output.empty:
             return []
-        sampled = self.runner.execute(output)
-        updated = self.scheduler.update(output, sampled)
+        if FAILPOINTS.active:
+            FAILPOINTS.hit("engine.step")
+        try:
+            result = self.runner.execute(output)
+        except AdapterActivationError as exc:
+            logger.error("%s; failing its requests", exc)
+            return self._fail_adapter(output, exc)
+        updated = self.scheduler.update(output, result.sampled, result.failed)
+        for request in updated:
+            if request.failure is not None:
+                logger.warning("request %s failed: %s", request.request_id, request.failure.message)
         return self.outputs.process(updated)
+
+    def _fail_adapter(
+        self, output: SchedulerOutput, exc: AdapterActivationError
+    ) -> list[RequestOutput]:
+        """The step never ran: undo what it published and end the adapter's requests."""
+        self.scheduler.abandon(output)
+        failure = RequestFailure(str(exc), client_fault=True)
+        groups = {
+            r.group_id for r in self.scheduler.requests.values() if r.adapter_key == exc.adapter_key
+        }
+        failed = [m for group in groups for m in self.scheduler.fail_group(group, failure)]
+        return self.outputs.process(failed)
 
     def stats(self) -> dict[str, float]:
         kv = self.kv_cache
@@ -311,6 +391,7 @@ class LLMEngine:
             "kv_cache_usage": kv.pool.usage,
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
+            "engine_restarts": self.restarts,
         }
         slots = self.runner.lora_slots
         if self.adapters is not None and slots is not None:

@@ -8,7 +8,9 @@ Block table of one request (block_size 4), 10 tokens computed:
     hashes   [   h0       |    h1       ]              h1 = H(h0, t4..t7, adapter)
 
 Only full blocks are hashed, and each hash chains its predecessor and the adapter's
-identity, so a hit means "same adapter, same tokens from position 0".
+identity, so a hit means "same adapter, same tokens from position 0". The first block
+also chains the request's cache salt (one per tenant, as vLLM's `cache_salt`), so
+requests with different salts never share a block or learn of each other's prompts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ def hash_block(parent: bytes | None, token_ids: list[int], adapter_key: bytes | 
     digest.update(adapter_key or b"base")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+def _salted_root(salt: bytes | None) -> bytes | None:
+    """The parent key of a request's first block: its cache salt, if any."""
+    return None if salt is None else b"salt:" + salt
 
 
 class KVCacheManager:
@@ -57,7 +64,7 @@ class KVCacheManager:
         size = self.block_size
         while len(hashes) < num_full_blocks:
             index = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else _salted_root(request.cache_salt)
             chunk = tokens[index * size : (index + 1) * size]
             hashes.append(hash_block(parent, chunk, request.adapter_key))
         return hashes
@@ -133,10 +140,23 @@ class KVCacheManager:
         self._tables[child.request_id] = list(table)
         self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, ()))
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, uncache: bool = False) -> None:
+        """Releases the request's blocks; `uncache` also withdraws those no other table
+        holds from the prefix cache (a failed request's K/V is not trusted)."""
         table = self._tables.pop(request.request_id, [])
         self._hashes.pop(request.request_id, None)
         self.pool.release(reversed(table))
+        if uncache:
+            for block in table:
+                if block.ref_count == 0:
+                    self.pool.uncache(block)
+
+    def unpublish_uncomputed(self, request: Request) -> None:
+        """Withdraws from the prefix cache the blocks this step published for tokens
+        it then did not compute (the step was abandoned before the model ran)."""
+        table = self._tables.get(request.request_id, ())
+        for block in table[request.num_computed_tokens // self.block_size :]:
+            self.pool.uncache(block)
 
     def forget_hashes(self, request: Request) -> None:
         """Drops memoized hashes (a preempted request is recomputed from scratch)."""

@@ -8,6 +8,12 @@ With LoRA, the step's adapters are made resident in device slots first, and deco
 and prefill chunks are each ordered by slot so every adapter's tokens are contiguous
 (one segment per adapter and kind; see kernels/lora.py).
 
+Failures that belong to one request stay with it: a row whose logits are not finite,
+or whose sampling raises (the batch is then sampled again row by row, seeded
+generators rewound), is reported in `StepResult.failed` and every other row keeps its
+token. An adapter that cannot be written into a slot raises `AdapterActivationError`
+before anything ran, naming the adapter, so the engine ends only its requests.
+
 Under tensor parallelism this runner is rank 0: it sends each step's inputs (and the
 slot writes and block copies it made) to the worker ranks before the forward, which
 all ranks then run together (parallel/workers.py).
@@ -15,7 +21,8 @@ all ranks then run together (parallel/workers.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,11 +30,30 @@ from torch import nn
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
+from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.models.registry import copy_blocks
 from loraplex.platform.parallel.workers import StepMessage, TPWorkers
-from loraplex.platform.request import Logprob, Request
-from loraplex.platform.sampler import Sampler, SamplingBatch
+from loraplex.platform.request import Logprob, Request, RequestFailure
+from loraplex.platform.sampler import Sampler, SamplerOutput, SamplingBatch
 from loraplex.platform.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterActivationError(RuntimeError):
+    """An adapter could not be written into a device slot; nothing of the step ran."""
+
+    def __init__(self, adapter_key: bytes, message: str) -> None:
+        super().__init__(message)
+        self.adapter_key = adapter_key
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, tuple[int, Logprob | None]] = field(default_factory=dict)
+    """request id -> (sampled token, logprob or None)"""
+    failed: dict[str, RequestFailure] = field(default_factory=dict)
+    """request id -> why it got no token (only that request ends)"""
 
 
 @dataclass
@@ -67,8 +93,8 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, Logprob | None]]:
-        """Runs one step; returns request id -> (sampled token, logprob or None)."""
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        """Runs one step: the sampled token of every sampling request, or why it failed."""
         copy_blocks(self.kv_caches, output.block_copies)
         inputs = self.prepare_inputs(output)
         slot_loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
@@ -88,16 +114,56 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
         )
         if not inputs.sample_requests:
-            return {}
+            return StepResult()
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        batch = SamplingBatch.from_requests(inputs.sample_requests, self.device)
-        sampled = self.sampler(logits, batch)
-        return {
-            request.request_id: (token_id, logprob)
-            for request, token_id, logprob in zip(
-                inputs.sample_requests, sampled.token_ids, sampled.logprobs, strict=False
+        return self.sample(logits, inputs.sample_requests)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> StepResult:
+        """Samples one token per row of `logits[R, V]`; a row that cannot be sampled
+        fails its own request only."""
+        generators = [r.generator for r in requests if r.generator is not None]
+        states = [g.get_state() for g in generators]
+        try:
+            sampled = self._sample_batch(logits, requests)
+        except Exception:
+            logger.exception(
+                "batched sampling failed; sampling the %d rows one by one", len(requests)
             )
-        }
+            for generator, state in zip(generators, states, strict=True):
+                generator.set_state(state)
+            return self._sample_rows(logits, requests)
+        result = StepResult()
+        self._collect(result, requests, sampled, range(len(requests)))
+        return result
+
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        if FAILPOINTS.active:
+            for request in requests:
+                FAILPOINTS.hit("sampler.row", request)
+        return self.sampler(logits, SamplingBatch.from_requests(requests, self.device))
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> StepResult:
+        result = StepResult()
+        for row, request in enumerate(requests):
+            try:
+                sampled = self._sample_batch(logits[row : row + 1], [request])
+            except Exception as exc:
+                logger.error("request %s: sampling failed: %r", request.request_id, exc)
+                result.failed[request.request_id] = RequestFailure(
+                    f"sampling failed inside the engine: {exc}"
+                )
+                continue
+            self._collect(result, [request], sampled, [0])
+        return result
+
+    @staticmethod
+    def _collect(result: StepResult, requests: list[Request], sampled: SamplerOutput, rows) -> None:
+        invalid = set(sampled.invalid_rows)
+        for request, row in zip(requests, rows, strict=True):
+            if row in invalid:
+                result.failed[request.request_id] = _non_finite(request)
+            else:
+                result.sampled[request.request_id] = (sampled.token_ids[row], sampled.logprobs[row])
 
     def _slots(self, output: SchedulerOutput) -> dict[bytes, int]:
         """Adapter key -> device slot for this step's adapters (loaded as needed)."""
@@ -106,7 +172,15 @@ class ModelRunner:
             return {}
         if self.lora_slots is None:
             raise RuntimeError("a request uses a LoRA adapter, but LoRA is disabled")
-        return self.lora_slots.activate(adapters)
+        try:
+            return self.lora_slots.activate(adapters)
+        except Exception as exc:
+            failing = self.lora_slots.failed_adapter
+            if failing is None:
+                raise
+            raise AdapterActivationError(
+                failing.key, f"adapter {failing.name!r} could not be loaded into a slot: {exc}"
+            ) from exc
 
     def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
         slot_of = self._slots(output)
@@ -166,6 +240,16 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
             sample_requests=sample_requests,
         )
+
+
+def _non_finite(request: Request) -> RequestFailure:
+    if request.lora is not None:
+        return RequestFailure(
+            f"adapter {request.lora.name!r} produced non-finite logits (NaN or Inf); "
+            "its weights cannot be served",
+            client_fault=True,
+        )
+    return RequestFailure("the model produced non-finite logits (NaN or Inf)")
 
 
 def _context_after(item: ScheduledRequest) -> int:

@@ -1,21 +1,27 @@
 """Turns sampled tokens into RequestOutputs: incremental text, stop strings, n > 1 groups.
 
 One `IncrementalDetokenizer` per request keeps text generation O(new tokens). A stop
-string ends the request through the scheduler (which frees its blocks at once).
+string ends the request through the scheduler (which frees its blocks at once). A
+request that failed this step (or whose detokenizing raises) ends its group with the
+failure as the output's `error`; the other groups are untouched.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from loraplex.platform.detokenizer import IncrementalDetokenizer
 from loraplex.platform.request import (
     CompletionOutput,
     Request,
+    RequestFailure,
     RequestOutput,
     RequestStatus,
 )
 from loraplex.platform.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,16 +55,25 @@ class OutputProcessor:
         touched: dict[str, _Group] = {}
         for request in updated:
             group = self._groups[request.group_id]
-            detokenizer = group.detokenizers[request.index]
-            detokenizer.append(request.output_token_ids[-1:])
-            if detokenizer.finished_by_stop is not None and not request.finished:
-                request.stop_reason = detokenizer.finished_by_stop
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            elif detokenizer.finished_by_stop is not None:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = detokenizer.finished_by_stop
             touched[request.group_id] = group
+            if request.failure is not None:
+                continue
+            try:
+                self._append(request, group.detokenizers[request.index])
+            except Exception as exc:
+                logger.exception("request %s: detokenizing failed", request.request_id)
+                failure = RequestFailure(f"detokenizing the output failed: {exc!r}")
+                self.scheduler.fail_group(request.group_id, failure)
         return [self._output(group_id, group) for group_id, group in touched.items()]
+
+    def _append(self, request: Request, detokenizer: IncrementalDetokenizer) -> None:
+        detokenizer.append(request.output_token_ids[-1:])
+        if detokenizer.finished_by_stop is not None and not request.finished:
+            request.stop_reason = detokenizer.finished_by_stop
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        elif detokenizer.finished_by_stop is not None:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = detokenizer.finished_by_stop
 
     def abort(self, group_id: str) -> RequestOutput | None:
         group = self._groups.get(group_id)
@@ -88,4 +103,5 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=head.num_cached_prompt_tokens,
+            error=next((m.failure for m in group.members if m.failure is not None), None),
         )

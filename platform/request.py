@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from loraplex.adapters.peft_format import LoRAAdapter
 
 
+SEED_MIN = -(2**63)
+SEED_LIMIT = 2**64
+"""Seeds are 64-bit: OpenAI's signed range and the generator's unsigned one."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. Validated on construction (ValueError).
@@ -70,6 +75,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and not SEED_MIN <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_LIMIT}), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +99,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -99,7 +107,27 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the engine ended one request early while the rest of its batch ran on.
+
+    `client_fault`: the request's own input caused it (its adapter produced NaN/Inf
+    logits), so the server answers 4xx; otherwise it is an internal error of that
+    request alone (5xx).
+    """
+
+    message: str
+    client_fault: bool = False
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The generator seed of child `index` of a seeded request: distinct per child and
+    always inside the generator's unsigned 64-bit range, whatever the seed."""
+    return (seed * 1_000_003 + index) % SEED_LIMIT
 
 
 @dataclass(frozen=True)
@@ -119,7 +147,8 @@ class Request:
     `all_token_ids` is prompt + generated so far; `num_computed_tokens` counts the
     tokens whose K/V sit in the cache. After a preemption the request recomputes
     `all_token_ids` from scratch (prefix-cache hits make that cheap). `lora` is the
-    loaded adapter the request runs with (None = base model).
+    loaded adapter the request runs with (None = base model). `cache_salt` keeps its
+    prefix-cache entries apart from every request with another salt (one per tenant).
     """
 
     request_id: str
@@ -140,6 +169,8 @@ class Request:
     output_logprobs: list[Logprob] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
+    cache_salt: bytes | None = None
+    failure: RequestFailure | None = None
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -148,7 +179,7 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
         seed = self.sampling_params.seed
         if seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(seed * 1_000_003 + self.index)
+            self.generator = torch.Generator().manual_seed(child_seed(seed, self.index))
 
     @property
     def adapter_key(self) -> bytes | None:
@@ -225,6 +256,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    error: RequestFailure | None = None
+    """Set when the engine ended the request early (its completions finish with
+    "error"); the other requests of the batch were not affected."""
 
     @property
     def token_ids(self) -> list[int]:

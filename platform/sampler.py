@@ -9,6 +9,11 @@ forked n > 1 child gets its own row, holding a copy of its parent's logits). Per
     sampled rows: logits /= temperature; keep top-k, then the top-p nucleus; w = exp(logits
                   - max); drop w < min_p; token = first id with cumsum(w) > u * sum(w)
 
+A row whose raw logits are not all finite-or-minus-infinity (a NaN, a +Inf, or no
+finite value at all: a broken adapter or numerics) gets no token: it is listed in
+`invalid_rows` with INVALID_TOKEN, so it can never yield an out-of-range id, and the
+other rows are sampled as if it were not there.
+
 Each drawing row takes a single uniform u, from its own `torch.Generator` when it has
 one (a seeded request), else from the global RNG. The weights stay unnormalised and are
 summed in vocabulary order, so a seeded row's token depends only on its logits and its
@@ -26,6 +31,8 @@ from loraplex.platform.request import Logprob, Request
 
 MIN_TEMPERATURE = 1e-5
 """Smaller temperatures are raised to this, so logits / temperature stays finite."""
+INVALID_TOKEN = -1
+"""The token id reported for a row whose logits are not finite."""
 
 
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -150,6 +157,24 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[Logprob | None]
+    invalid_rows: list[int] = field(default_factory=list)
+    """Rows whose logits were not finite: INVALID_TOKEN and no logprob for them."""
+
+    def mark_invalid(self, rows: list[int]) -> SamplerOutput:
+        for row in rows:
+            self.token_ids[row] = INVALID_TOKEN
+            self.logprobs[row] = None
+        self.invalid_rows = rows
+        return self
+
+
+def non_finite_rows(row_max: torch.Tensor) -> list[int]:
+    """Rows whose largest logit is NaN or +-Inf (max propagates NaN; a -Inf max means
+    no finite logit at all)."""
+    finite = torch.isfinite(row_max)
+    if bool(finite.all()):
+        return []
+    return (~finite).nonzero().flatten().tolist()
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -248,9 +273,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.fast_greedy:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+            best, tokens = logits.max(dim=-1)
+            output = SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
+            return output.mark_invalid(non_finite_rows(best))
         if logits.dtype != torch.float32:
             logits = logits.float()
+        invalid = non_finite_rows(logits.amax(dim=-1))
+        if invalid:
+            rows = torch.tensor(invalid, dtype=torch.int64, device=logits.device)
+            logits = logits.index_fill(0, rows, 0.0)
 
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs else None
         logits = apply_penalties(logits, batch)
@@ -260,7 +291,8 @@ class Sampler:
         elif batch.sampled_rows:
             tokens = self._draw(logits, batch)
         token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, tokens, token_ids, batch))
+        logprobs = self._logprobs(raw_logprobs, tokens, token_ids, batch)
+        return SamplerOutput(token_ids, logprobs).mark_invalid(invalid)
 
     @staticmethod
     def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from loraplex.platform.config import SchedulerConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
-from loraplex.platform.request import Request, RequestStatus
+from loraplex.platform.request import Request, RequestFailure, RequestStatus
 
 
 @dataclass
@@ -217,11 +217,15 @@ class Scheduler:
 
     # ---- after the model ran ---------------------------------------------------------
     def update(
-        self, output: SchedulerOutput, sampled: dict[str, tuple[int, object]]
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, tuple[int, object]],
+        failed: dict[str, RequestFailure] | None = None,
     ) -> list[Request]:
         """Advances computed counts, appends sampled tokens, forks siblings and finishes
-        requests that hit a stop token or a length limit. Returns the requests that got
-        a new token this step (finished ones included)."""
+        requests that hit a stop token or a length limit, or whose step `failed` (their
+        whole group ends with that failure). Returns the requests that got a new token
+        or failed this step (finished ones included)."""
         for item in output.scheduled:
             item.request.num_computed_tokens += item.num_tokens
         for parent_id, siblings in output.forks.items():
@@ -233,8 +237,14 @@ class Scheduler:
                 sibling.status = RequestStatus.RUNNING
                 self.running.append(sibling)
         updated = []
+        for request_id, failure in (failed or {}).items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                updated.extend(self.fail_group(request.group_id, failure))
         for request_id, (token_id, logprob) in sampled.items():
-            request = self.requests[request_id]
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # its group failed this step
             request.append_output_token(token_id, logprob)
             if request.check_stop_token() or self._at_length_limit(request):
                 self.finish(request, request.status)
@@ -248,16 +258,33 @@ class Scheduler:
         return False
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Ends a request (stop, length or abort) and frees its blocks at once."""
+        """Ends a request (stop, length, abort or error) and frees its blocks at once;
+        an errored request's blocks also leave the prefix cache."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv_cache.free(request)
+        self.kv_cache.free(request, uncache=status is RequestStatus.FINISHED_ERROR)
         self.requests.pop(request.request_id, None)
         for sibling in self.fork_waiting.pop(request.request_id, ()):
             self.finish(sibling, status)
+
+    def fail_group(self, group_id: str, failure: RequestFailure) -> list[Request]:
+        """Ends every unfinished request of a group with `failure`; returns them."""
+        members = [r for r in self.requests.values() if r.group_id == group_id]
+        for request in members:
+            request.failure = failure
+        for request in members:
+            if request.request_id in self.requests:
+                self.finish(request, RequestStatus.FINISHED_ERROR)
+        return members
+
+    def abandon(self, output: SchedulerOutput) -> None:
+        """Undoes what a step that never ran published: the prefix-cache entries of the
+        blocks its tokens were to fill (their K/V was never written)."""
+        for item in output.scheduled:
+            self.kv_cache.unpublish_uncomputed(item.request)
 
     def abort_group(self, group_id: str) -> list[Request]:
         """Aborts every unfinished request of a group; returns them."""

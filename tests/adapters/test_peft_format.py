@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
+import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from loraplex.adapters.peft_format import (
@@ -25,9 +33,9 @@ PATTERNS = dict(
     rank=4,
     alpha=8.0,
     target_modules=SUPPORTED_MODULES,
-    # keys as PEFT users write them: bare suffix, dotted suffix, anchored regex
-    rank_pattern={"q_proj": 8, "layers.1.self_attn.v_proj": 2, "^model.layers.0.mlp.up_proj": 3},
-    alpha_pattern={"v_proj": 4.0, "o_proj": 5.0, r"layers\.1\.mlp\..*": 12.0},
+    # keys as PEFT users write them: bare suffix, dotted suffix, full name, glob
+    rank_pattern={"q_proj": 8, "layers.1.self_attn.v_proj": 2, "model.layers.0.mlp.up_proj": 3},
+    alpha_pattern={"v_proj": 4.0, "o_proj": 5.0, "layers.1.mlp.*": 12.0},
 )
 
 
@@ -424,3 +432,501 @@ def test_no_lora_tensors(plain_copy, arch):
     edit_tensors(plain_copy, lambda t: t.clear())
     with pytest.raises(AdapterError, match="holds no LoRA tensors"):
         load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+# --- hostile configs: types, ranges, strict JSON -------------------------------------
+
+
+def write_config_literal(folder: Path, field: str, literal: str) -> None:
+    """Sets `field` to a raw JSON literal (1e400, NaN...) that json.dumps cannot write."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.pop(field, None)
+    text = json.dumps(config)
+    (folder / "adapter_config.json").write_text(f'{text[:-1]}, "{field}": {literal}}}')
+
+
+@pytest.mark.parametrize(
+    ("field", "literal", "message"),
+    [
+        ("lora_alpha", "1e400", "not valid JSON: '1e400' overflows to inf"),
+        ("lora_alpha", "-1e400", "not valid JSON: '-1e400' overflows to -inf"),
+        ("lora_alpha", "NaN", "not valid JSON: NaN is not a finite number"),
+        ("lora_alpha", "Infinity", "not valid JSON: Infinity is not a finite number"),
+        ("lora_alpha", "-Infinity", "not valid JSON: -Infinity is not a finite number"),
+        ("lora_alpha", "-1", "lora_alpha=-1 .* must be a positive number: finite and > 0"),
+        ("lora_alpha", "0", "lora_alpha=0 .* must be a positive number"),
+        ("lora_alpha", "0.0", "lora_alpha=0.0 .* must be a positive number"),
+        ("lora_alpha", '"8"', "lora_alpha='8' .* must be a positive number"),
+        ("lora_alpha", "true", "lora_alpha=True .* must be a positive number"),
+        ("lora_alpha", "null", "lora_alpha=None .* must be a positive number"),
+        ("lora_alpha", "1" + "0" * 400, "lora_alpha=1000.* must be a positive number: finite"),
+        ("lora_alpha", "1" + "0" * 5000, "not valid JSON: .*integer string conversion"),
+        ("r", "0", "r=0 .* must be a positive number: an integer rank >= 1"),
+        ("r", "8.5", "r=8.5 .* an integer rank >= 1"),
+        ("r", "4.0", "r=4.0 .* an integer rank >= 1"),
+        ("r", "true", "r=True .* an integer rank >= 1"),
+        ("r", '"8"', "r='8' .* an integer rank >= 1"),
+        ("r", "[4]", r"r=\[4\] .* an integer rank >= 1"),
+        ("rank_pattern", '{"q_proj": 0}', r"rank_pattern\['q_proj'\]=0 .* an integer rank"),
+        ("rank_pattern", '{"q_proj": 1.5}', r"rank_pattern\['q_proj'\]=1.5 .* an integer rank"),
+        ("rank_pattern", "[]", r"rank_pattern=\[\] .* must be an object"),
+        ("alpha_pattern", '{"q_proj": Infinity}', "not valid JSON: Infinity is not a finite"),
+        ("alpha_pattern", '{"q_proj": 1e999}', "not valid JSON: '1e999' overflows to inf"),
+        ("alpha_pattern", '{"q_proj": -2}', r"alpha_pattern\['q_proj'\]=-2 .* finite and > 0"),
+        ("alpha_pattern", '{"": 2}', "alpha_pattern key '' .* must be 1 to 256 characters"),
+        ("alpha_pattern", '{"' + "a" * 257 + '": 2}', "must be 1 to 256 characters"),
+        ("use_rslora", '"yes"', "use_rslora='yes' .* must be true or false"),
+        ("use_rslora", "1", "use_rslora=1 .* must be true or false"),
+        ("lora_dropout", "[" * 100_000 + "]" * 100_000, "not valid JSON: nested too deeply"),
+    ],
+)
+def test_config_values_out_of_range(field, literal, message, plain_copy, arch):
+    write_config_literal(plain_copy, field, literal)
+    with pytest.raises(AdapterError, match=message):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+def test_too_many_pattern_keys(plain_copy, arch):
+    edit_config(plain_copy, rank_pattern={f"layers.{i}.q_proj": 4 for i in range(1025)})
+    with pytest.raises(AdapterError, match="rank_pattern .* has 1025 keys, over the limit of 1024"):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+def test_oversized_config_is_refused(plain_copy, arch):
+    edit_config(plain_copy, padding="x" * (1 << 20))
+    with pytest.raises(AdapterError, match="adapter_config.json .* over the 1048576-byte limit"):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+@pytest.mark.parametrize(("alpha", "b_factor"), [(1e38, 1e3), (1e300, 1.0)])
+def test_scaling_that_overflows_b_is_refused(alpha, b_factor, plain_copy, arch):
+    edit_config(plain_copy, lora_alpha=alpha)
+    edit_tensors(plain_copy, lambda t: t.update({Q_B: t[Q_B] * b_factor}))
+    with pytest.raises(AdapterError, match=f"tensor '{Q_B}' times its scaling .* overflows"):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+def test_tiny_alpha_loads_finite(plain_copy, arch):
+    edit_config(plain_copy, lora_alpha=5e-324)
+    adapter = load_peft_adapter(plain_copy, arch, max_rank=8)
+    assert all(torch.isfinite(m.b).all() for m in adapter.modules.values())
+
+
+# --- pattern keys: suffixes and globs, never regexes ---------------------------------
+
+
+@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
+@pytest.mark.parametrize("key", ["(.*.*)*!", "(.*.*)*!" + "a" * 40, "(a|aa)*$" * 8])
+def test_backtracking_regex_key_is_refused_fast(field, key, plain_copy, arch):
+    edit_config(plain_copy, **{field: {key: 4}})
+    started = time.monotonic()
+    with pytest.raises(AdapterError, match="not regular expressions"):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+    assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("char", list("\\(){}+^$|"))
+def test_regex_only_syntax_is_refused(char, plain_copy, arch):
+    edit_config(plain_copy, alpha_pattern={f"q{char}proj": 4.0})
+    with pytest.raises(AdapterError, match=r"pattern keys are module-name suffixes or globs"):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+def test_the_largest_glob_keys_cost_little(plain_copy, arch):
+    """1024 keys of 256 characters, 126 wildcards each, in both patterns: compiling them
+    is Python-level work (about 1 s each on a slow core; a backtracking regex would take
+    minutes), and matching them is linear."""
+    keys = {"*a" * 125 + f"*{i:05d}": 3.0 for i in range(1023)}  # 256 characters each
+    edit_config(
+        plain_copy,
+        alpha_pattern={**keys, "*": 2.0},
+        rank_pattern={**dict.fromkeys(keys, 8), "*": 4},
+    )
+    started = time.monotonic()
+    adapter = load_peft_adapter(plain_copy, arch, max_rank=8)
+    assert time.monotonic() - started < 10.0
+    assert {m.scaling for m in adapter.modules.values()} == {2.0 / 4}
+
+
+ORACLE_KEY_SETS = [
+    ["model.layers.0.self_attn.q_proj"],
+    ["q_proj"],
+    ["layers.1.mlp.down_proj"],
+    ["layers.*.q_proj"],
+    ["self_attn.q_proj", "q_proj"],
+    ["q_proj", "layers.0.self_attn.q_proj"],
+    ["layers.0.self_attn.q_proj", "q_proj", "k_proj"],
+    ["mlp.down_proj", "down_proj", "model.layers.1.mlp.up_proj"],
+    ["layers.1.*", "o_proj", "v_proj"],
+    ["up_proj", "gate_proj", "layers.0.mlp.up_proj"],
+    ["layers.*.mlp.*", "layers.0.self_attn.*"],
+    ["model.layers.1.self_attn.k_proj", "lm_head", "proj", "layers.1"],
+]
+
+
+@pytest.mark.parametrize("keys", ORACLE_KEY_SETS, ids=lambda keys: ",".join(keys))
+def test_pattern_keys_pick_what_peft_picks(keys, plain_copy, arch):
+    """Oracle: for every module of the tiny model, the alpha chosen is the one PEFT's own
+    get_pattern_key (its regex rule) picks for keys PEFT users write."""
+    from peft.utils.other import get_pattern_key
+
+    pattern = {key: float(10 + i) for i, key in enumerate(keys)}
+    edit_config(plain_copy, lora_alpha=8.0, alpha_pattern=pattern)
+    adapter = load_peft_adapter(plain_copy, arch, max_rank=8)
+    assert len(adapter.modules) == arch.num_layers * len(SUPPORTED_MODULES)
+    for (layer, module), weights in adapter.modules.items():
+        parent = "self_attn" if module in SUPPORTED_MODULES[:4] else "mlp"
+        module_key = f"model.layers.{layer}.{parent}.{module}"
+        expected = pattern.get(get_pattern_key(pattern.keys(), module_key), 8.0)
+        assert weights.scaling == expected / 4, module_key
+
+
+# --- hostile safetensors: header checked before any tensor byte is read ----------------
+
+
+def read_safetensors(file: Path) -> tuple[dict, bytes]:
+    raw = file.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def write_safetensors(file: Path, header: dict | bytes, data: bytes) -> None:
+    encoded = header if isinstance(header, bytes) else json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+
+
+def by_offset(header: dict) -> list[str]:
+    names = [n for n in header if n != "__metadata__"]
+    return sorted(names, key=lambda n: header[n]["data_offsets"])
+
+
+def _header_too_long(header, data):
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", 8 + len(encoded) + len(data) + 1) + encoded + data
+
+
+def _offsets_overlap(header, data):
+    first, second = by_offset(header)[:2]
+    header[second]["data_offsets"][0] -= 4
+    header[second]["data_offsets"][1] -= 4
+    return header, data
+
+
+def _offsets_gap(header, data):
+    last = by_offset(header)[-1]
+    begin, end = header[last]["data_offsets"]
+    header[last]["data_offsets"] = [begin + 4, end + 4]
+    return header, data[:begin] + b"\0" * 4 + data[begin:]
+
+
+def _dtype_size_mismatch(header, data):
+    header[Q_A]["dtype"] = "F16"
+    return header, data
+
+
+def _shape_size_mismatch(header, data):
+    header[Q_A]["shape"] = [5, 64]
+    return header, data
+
+
+def _nan_in_header(header, data):
+    header[Q_A]["shape"] = [float("nan"), 64]
+    return header, data
+
+
+def _duplicate_name(header, data):
+    encoded = json.dumps(header).encode()
+    duplicate = json.dumps({Q_A: header[Q_A]}).encode()[1:-1]
+    return encoded[:-1] + b", " + duplicate + b"}", data
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_header_too_long, "header length .* exceeds the file size"),
+        (_offsets_overlap, "an overlap with tensor"),
+        (_offsets_gap, "a gap before tensor"),
+        (_dtype_size_mismatch, "which do not hold its size"),
+        (_shape_size_mismatch, "which do not hold its size"),
+        (_nan_in_header, "header is not valid JSON: NaN is not a finite number"),
+        (_duplicate_name, "header is not valid JSON: duplicate key"),
+        (lambda h, d: (b"{not json" + b" " * 40, d), "header is not valid JSON"),
+        (lambda h, d: (b"[]", d), "header is a JSON list, not an object"),
+        (lambda h, d: (b"[" * 100_000, d), "header is not valid JSON: nested too deeply"),
+        (lambda h, d: (h, d + b"\0"), r"the tensors take \d+ bytes but the data region"),
+        (lambda h, d: ({**h, "__metadata__": {"format": 1}}, d), "__metadata__ must map"),
+        (lambda h, d: ({**h, Q_A: {**h[Q_A], "extra": 1}}, d), "must have exactly"),
+        (lambda h, d: ({**h, Q_A: {**h[Q_A], "shape": [4, -64]}}, d), "has shape"),
+        (lambda h, d: ({**h, Q_A: {**h[Q_A], "data_offsets": [0]}}, d), "has data_offsets"),
+        (lambda h, d: ({**h, Q_A: {**h[Q_A], "dtype": 4}}, d), "has dtype 4"),
+        (lambda h, d: b"\x07" * 16, "over the 16777216-byte limit"),
+    ],
+)
+def test_corrupt_safetensors_header(damage, message, plain_copy, arch):
+    file = plain_copy / "adapter_model.safetensors"
+    header, data = read_safetensors(file)
+    damaged = damage(header, data)
+    if isinstance(damaged, bytes):
+        file.write_bytes(damaged)
+    else:
+        write_safetensors(file, *damaged)
+    with pytest.raises(AdapterError, match=f"corrupt or truncated: .*{message}"):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+def test_file_shorter_than_header_length(plain_copy, arch):
+    (plain_copy / "adapter_model.safetensors").write_bytes(b"\x01\x00")
+    with pytest.raises(AdapterError, match="corrupt or truncated: 2 bytes, shorter than"):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+@pytest.mark.parametrize(("dtype", "torch_name"), [("F64", "float64"), ("I64", "int64")])
+def test_unservable_dtypes(dtype, torch_name, plain_copy, arch):
+    file = plain_copy / "adapter_model.safetensors"
+    header, data = read_safetensors(file)
+    header[Q_A]["dtype"] = dtype
+    header[Q_A]["shape"] = [2, 64]  # same byte size as the [4, 64] float32 tensor
+    write_safetensors(file, header, data)
+    with pytest.raises(AdapterError, match=f"has dtype torch.{torch_name}, need floating point"):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+def test_unknown_dtype(plain_copy, arch):
+    file = plain_copy / "adapter_model.safetensors"
+    header, data = read_safetensors(file)
+    header[Q_A]["dtype"] = "F4"
+    write_safetensors(file, header, data)
+    with pytest.raises(AdapterError, match="has dtype 'F4', need floating point"):
+        load_peft_adapter(plain_copy, arch, max_rank=8)
+
+
+_MEASURE_LOADS = """
+import json, resource, sys
+from loraplex.adapters.peft_format import AdapterError, load_peft_adapter
+from loraplex.platform.models.arch import ModelArch
+
+def proc_value(file, field):
+    with open(file) as lines:
+        return next(int(line.split()[1]) for line in lines if line.startswith(field))
+
+def bytes_read():
+    return proc_value("/proc/self/io", "rchar:")
+
+def peak_mapped():
+    return proc_value("/proc/self/status", "VmPeak:") * 1024
+
+arch = ModelArch.from_folder(sys.argv[1])
+load_peft_adapter(sys.argv[2], arch, 8)  # warm up lazy imports and allocations
+results = []
+for folder in sys.argv[3:]:
+    rss, read, mapped = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, bytes_read(), peak_mapped()
+    try:
+        load_peft_adapter(folder, arch, 8)
+        outcome = "loaded"
+    except AdapterError as err:
+        outcome = str(err)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) * 1024
+    read, mapped = bytes_read() - read, peak_mapped() - mapped
+    results.append({"outcome": outcome, "rss": grown, "read": read, "mapped": mapped})
+print(json.dumps(results))
+"""
+
+
+def test_oversized_safetensors_is_refused_without_reading_it(adapters, base, tmp_path):
+    """A valid file with 4 GiB of sparse trailing bytes, and a header declaring 1 GiB of
+    rank-2**21 tensors: both refused, in a child whose peak RSS, bytes read (rchar) and
+    peak mapped memory (VmPeak) stay small, so the test fails if the loader read either
+    file or mapped it whole (as safe_open does)."""
+    trailing = Path(shutil.copytree(adapters["plain"], tmp_path / "trailing"))
+    with open(trailing / "adapter_model.safetensors", "r+b") as out:
+        out.truncate(4 << 30)
+    declared = Path(shutil.copytree(adapters["plain"], tmp_path / "declared"))
+    rows = 1 << 21
+    q_b = Q_A.replace("lora_A", "lora_B")
+    nbytes = rows * 64 * 4
+    header = {
+        Q_A: {"dtype": "F32", "shape": [rows, 64], "data_offsets": [0, nbytes]},
+        q_b: {"dtype": "F32", "shape": [64, rows], "data_offsets": [nbytes, 2 * nbytes]},
+    }
+    encoded = json.dumps(header).encode()
+    with open(declared / "adapter_model.safetensors", "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)) + encoded)
+        out.truncate(8 + len(encoded) + 2 * nbytes)
+    child = subprocess.run(
+        [sys.executable, "-c", _MEASURE_LOADS, base, adapters["plain"], trailing, declared],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    results = json.loads(child.stdout)
+    assert "corrupt or truncated: the tensors take" in results[0]["outcome"]
+    assert f"rank {rows} of model.layers.0.self_attn.q_proj exceeds" in results[1]["outcome"]
+    for result in results:
+        assert result["rss"] < 200 << 20, result
+        assert result["read"] < 1 << 20, result
+        assert result["mapped"] < 512 << 20, result
+
+
+# --- tenant roots: no symbolic links, nothing outside the root ------------------------
+
+
+@pytest.fixture
+def tenant_root(adapters, tmp_path) -> Path:
+    """root/acme/own (a real adapter) and root/acme/other, plus a secret outside root."""
+    root = tmp_path / "root"
+    shutil.copytree(adapters["plain"], root / "acme" / "own")
+    shutil.copytree(adapters["rslora"], root / "acme" / "other")
+    shutil.copytree(adapters["plain"], tmp_path / "secret")
+    return root
+
+
+def test_root_loads_the_same_adapter(tenant_root, arch, monkeypatch):
+    folder = tenant_root / "acme" / "own"
+    contained = load_peft_adapter(folder, arch, 8, root=tenant_root)
+    free = load_peft_adapter(folder, arch, 8)
+    assert contained.key == free.key and contained.path == folder
+    assert contained.modules.keys() == free.modules.keys()
+    for key, weights in contained.modules.items():
+        assert torch.equal(weights.a, free.modules[key].a)
+        assert torch.equal(weights.b, free.modules[key].b)
+    monkeypatch.chdir(tenant_root.parent)
+    assert load_peft_adapter("root/acme/own", arch, 8, root="root").key == free.key
+    assert load_peft_adapter(folder, arch, 8, root="./root/").key == free.key
+
+
+@pytest.mark.parametrize("file", ["adapter_model.safetensors", "adapter_config.json"])
+@pytest.mark.parametrize("target", ["inside", "outside"])
+def test_root_refuses_a_linked_file(file, target, tenant_root, arch):
+    folder = tenant_root / "acme" / "own"
+    source = tenant_root / "acme" / "other" if target == "inside" else tenant_root.parent / "secret"
+    (folder / file).unlink()
+    (folder / file).symlink_to(source / file)
+    with pytest.raises(AdapterError, match=f"'{file}' is a symbolic link; tenant adapter files"):
+        load_peft_adapter(folder, arch, 8, root=tenant_root)
+    assert load_peft_adapter(folder, arch, 8).key  # the operator's own loads follow links
+
+
+@pytest.mark.parametrize("target", ["inside", "outside"])
+def test_root_refuses_a_linked_folder(target, tenant_root, arch):
+    source = tenant_root / "acme" / "other" if target == "inside" else tenant_root.parent / "secret"
+    (tenant_root / "acme" / "link").symlink_to(source, target_is_directory=True)
+    with pytest.raises(AdapterError, match="folder 'link' is a symbolic link"):
+        load_peft_adapter(tenant_root / "acme" / "link", arch, 8, root=tenant_root)
+
+
+def test_root_refuses_a_linked_parent_folder(tenant_root, arch):
+    (tenant_root / "linked").symlink_to(tenant_root / "acme", target_is_directory=True)
+    with pytest.raises(AdapterError, match="folder 'linked' is a symbolic link"):
+        load_peft_adapter(tenant_root / "linked" / "own", arch, 8, root=tenant_root)
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("acme/../acme/own", "contains '..'"),
+        ("acme/own/..", "contains '..'"),
+        ("", "is the root .* itself"),
+        (".", "is the root .* itself"),
+        ("../secret", "contains '..'"),
+    ],
+)
+def test_root_refuses_paths_not_strictly_inside(where, message, tenant_root, arch):
+    with pytest.raises(AdapterError, match=message):
+        load_peft_adapter(f"{tenant_root}/{where}", arch, 8, root=tenant_root)
+
+
+def test_root_refuses_a_path_outside(tenant_root, arch):
+    with pytest.raises(AdapterError, match="is not inside"):
+        load_peft_adapter(tenant_root.parent / "secret", arch, 8, root=tenant_root)
+
+
+def test_root_missing_folder_and_file(tenant_root, arch):
+    with pytest.raises(AdapterError, match="does not exist"):
+        load_peft_adapter(tenant_root / "acme" / "nope", arch, 8, root=tenant_root)
+    with pytest.raises(AdapterError, match="is not a directory"):
+        load_peft_adapter(
+            tenant_root / "acme" / "own" / "adapter_config.json", arch, 8, root=tenant_root
+        )
+    folder = tenant_root / "acme" / "own"
+    (folder / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="adapter_model.safetensors is missing"):
+        load_peft_adapter(folder, arch, 8, root=tenant_root)
+
+
+@pytest.mark.parametrize("root", [True, False])
+def test_a_fifo_is_refused_without_waiting(root, tenant_root, arch):
+    folder = tenant_root / "acme" / "own"
+    (folder / "adapter_config.json").unlink()
+    os.mkfifo(folder / "adapter_config.json")
+    started = time.monotonic()
+    with pytest.raises(AdapterError, match="adapter_config.json is not a regular file"):
+        load_peft_adapter(folder, arch, 8, root=tenant_root if root else None)
+    assert time.monotonic() - started < 1.0
+
+
+# --- property: any config either loads finite weights or is refused, fast ---------------
+
+_RAW_LITERALS = {"@1e400@": "1e400", "@-1e400@": "-1e400", "@bigint@": "1" + "0" * 5000}
+_VALUE = st.one_of(
+    st.integers(-3, 12),
+    st.integers(),
+    st.integers(min_value=10**300, max_value=10**400),
+    st.floats(),
+    st.floats(min_value=1e-320, max_value=1e308),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=3),
+    st.sampled_from(sorted(_RAW_LITERALS)),
+)
+_KEY = st.one_of(
+    st.sampled_from(
+        ["q_proj", "v_proj", "self_attn.q_proj", "layers.1.mlp.down_proj", "model.layers.0"]
+    ),
+    st.sampled_from(["layers.*.q_proj", "*", "?_proj", "[qk]_proj", "[", "]", "[!a-"]),
+    st.sampled_from(["(.*.*)*!", "q_proj|v_proj", "^q", "a{2}", "\\d", "[a-z]+_proj", "$"]),
+    st.text(max_size=12),
+    st.text(alphabet="*?[]!.a_", max_size=300),
+)
+_ALPHA = st.one_of(st.floats(min_value=1e-30, max_value=1e300), st.integers(1, 10**300))
+
+
+def _mostly(valid: st.SearchStrategy) -> st.SearchStrategy:
+    """9 draws in 10 from `valid`, else any value, so that all fields of a draw are
+    valid often enough for loads to succeed too."""
+    return st.integers(0, 9).flatmap(lambda n: valid if n else _VALUE)
+
+
+_CONFIG = {
+    "r": _mostly(st.just(4)),
+    "lora_alpha": _mostly(_ALPHA),
+    "use_rslora": _mostly(st.one_of(st.booleans(), st.none())),
+    "rank_pattern": _mostly(st.dictionaries(_KEY, _mostly(st.just(4)), max_size=6)),
+    "alpha_pattern": _mostly(st.dictionaries(_KEY, _mostly(_ALPHA), max_size=6)),
+}
+
+
+@pytest.fixture(scope="module")
+def fuzz_folder(adapters, tmp_path_factory) -> Path:
+    return Path(shutil.copytree(adapters["plain"], tmp_path_factory.mktemp("fuzz") / "a"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(changes=st.fixed_dictionaries({}, optional=_CONFIG))
+def test_any_config_loads_finite_or_is_refused(changes, fuzz_folder, adapters, arch):
+    config = json.loads((adapters["plain"] / "adapter_config.json").read_text())
+    text = json.dumps({**config, **changes}, allow_nan=True)
+    for placeholder, literal in _RAW_LITERALS.items():
+        text = text.replace(json.dumps(placeholder), literal)
+    (fuzz_folder / "adapter_config.json").write_text(text)
+    started = time.monotonic()
+    try:
+        adapter = load_peft_adapter(fuzz_folder, arch, max_rank=8)
+    except AdapterError:
+        pass
+    else:
+        for weights in adapter.modules.values():
+            assert torch.isfinite(weights.a).all() and torch.isfinite(weights.b).all()
+            assert math.isfinite(weights.scaling)
+    assert time.monotonic() - started < 1.0

@@ -4,8 +4,9 @@ The app serves two tiny base models: `tiny` (Llama, with three shared adapters) 
 `tiny-qwen` (one replica that takes one request at a time and queues one, so it
 overloads on purpose). Three tenants: `acme` (everything), `globex` (key from an
 environment variable; `tiny` and its shared adapter `sa` only) and `limited`
-(one request at a time, 60 tokens a minute). Tenant adapters live under a temporary
-adapter root.
+(one request at a time, 100 tokens a minute). Tenant adapters live under a temporary
+adapter root. An operator key unlocks /metrics, and `tiny` allows fault injection
+(its failpoints are armed through the deployment handle).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 KEYS = {"acme": "sk-acme-test", "globex": "sk-globex-test", "limited": "sk-limited-test"}
+OPERATOR_KEY = "sk-operator-test"
 GLOBEX_KEY_ENV = "LORAPLEX_TEST_GLOBEX_KEY"
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHARED = {
@@ -71,6 +73,7 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
                 "engine": {**engine, "max_cpu_loras": 8},
                 "adapters": {name: str(folder) for name, folder in shared.items()},
                 "server": {"num_cpus": 0.1},
+                "fault_injection": True,
             },
             {
                 "name": "tiny-qwen",
@@ -95,9 +98,10 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
                 "name": "limited",
                 "api_key_sha256": [hash_key(KEYS["limited"])],
                 "max_concurrent_requests": 1,
-                "tokens_per_minute": 60,
+                "tokens_per_minute": 100,
             },
         ],
+        "operator": {"api_key_sha256": [hash_key(OPERATOR_KEY)]},
     }
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -143,3 +147,8 @@ def tenant_client(serve_url):
 @pytest.fixture(scope="session")
 def tenant_keys() -> dict[str, str]:
     return dict(KEYS)
+
+
+@pytest.fixture(scope="session")
+def operator_key() -> str:
+    return OPERATOR_KEY

@@ -216,7 +216,9 @@ def test_tenants_cannot_reach_each_others_adapters(
         completion_text(tenant_client("globex"), "tiny-qwen", prompt)
 
 
-def test_metrics_endpoint_exposes_engine_adapter_and_tenant_metrics(serve_url, client):
+def test_metrics_endpoint_exposes_engine_adapter_and_tenant_metrics(
+    serve_url, client, operator_key
+):
     completion_text(client, "tiny:sa", [4, 4, 4])
     wanted = [
         "vllm:num_requests_running{",
@@ -232,7 +234,10 @@ def test_metrics_endpoint_exposes_engine_adapter_and_tenant_metrics(serve_url, c
     ]
     deadline = time.monotonic() + 60
     while True:
-        with urllib.request.urlopen(f"{serve_url}/metrics", timeout=30) as response:
+        scrape = urllib.request.Request(
+            f"{serve_url}/metrics", headers={"Authorization": f"Bearer {operator_key}"}
+        )
+        with urllib.request.urlopen(scrape, timeout=30) as response:
             text = response.read().decode()
         missing = [w for w in wanted if w not in text]
         if not missing:

@@ -160,7 +160,7 @@ def test_tenant_limits_give_429_with_retry_after(tenant_client):
     assert int(error.value.response.headers["retry-after"]) >= 1
     assert "in flight" in error.value.body["message"]
     stream.close()
-    # The aborted stream's tokens plus one more call exhaust 60 tokens a minute.
+    # The aborted stream's tokens plus one more call exhaust 100 tokens a minute.
     deadline = time.monotonic() + 30
     while True:
         try:

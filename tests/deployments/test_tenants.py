@@ -89,3 +89,30 @@ def test_concurrency_and_token_limits_give_retry_after():
     assert 1 <= error.value.retry_after_s <= 61
     limiter.WINDOW_S = 0.0
     limiter.admit(tenant)
+
+
+def test_token_budget_reserves_the_worst_case_up_front():
+    """Admission reserves a request's worst case; nothing can book past the budget by
+    starting many requests before any of them ends."""
+    tenant = Tenants(
+        [TenantConfig(name="t", api_key_sha256=[hash_key("k")], tokens_per_minute=100)]
+    ).authenticate("Bearer k")
+    limiter = RateLimiter()
+    first = limiter.admit(tenant, tokens=60)
+    assert first == 60 and limiter.in_use(tenant) == (1, 60)
+    with pytest.raises(RateLimited, match="60 reserved by requests in flight") as error:
+        limiter.admit(tenant, tokens=50)
+    assert error.value.retry_after_s == 1
+    # The model server counted the prompt: the exact worst case is smaller.
+    first = limiter.settle(tenant, first, 30)
+    second = limiter.admit(tenant, tokens=50)
+    assert limiter.in_use(tenant) == (2, 80)
+    limiter.release(tenant, tokens=12, reserved=first)
+    limiter.release(tenant, tokens=40, reserved=second)
+    assert limiter.in_use(tenant) == (0, 0)
+    with pytest.raises(RateLimited, match="used 52 tokens in the last minute"):
+        limiter.admit(tenant, tokens=49)
+    # One request larger than the whole budget reserves the budget (the model server
+    # refuses it with a 400 once it knows the exact size).
+    limiter.WINDOW_S = 0.0
+    assert limiter.admit(tenant, tokens=10**9) == 100

@@ -205,10 +205,49 @@ def test_async_engine_streams_and_aborts(llm):
         engine.shutdown()
 
 
+def test_a_failed_step_restarts_the_engine_in_place(tiny_model_factory):
+    """A step that raises outside any one request (here: an injected fault) fails the
+    in-flight consumers with EngineRestartedError; the same engine resets (fresh blocks,
+    same weights), stays healthy and serves the next request as before."""
+    from loraplex.platform.async_engine import EngineRestartedError
+
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=64, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=5)
+    expected = llm.generate([[1, 2, 3]], params)[0].token_ids
+    engine = AsyncEngine(llm.engine)
+    real_step = llm.engine.step
+    faults = [RuntimeError("injected fault")]
+
+    def step_once_broken():
+        if faults:
+            raise faults.pop()
+        return real_step()
+
+    llm.engine.step = step_once_broken
+
+    async def scenario():
+        with pytest.raises(EngineRestartedError, match="injected fault"):
+            async for _ in engine.generate([1, 2, 3], params):
+                pass
+        engine.check_health()
+        async for output in engine.generate([1, 2, 3], params):
+            pass
+        return output
+
+    try:
+        output = asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+        assert output.token_ids == expected
+        assert llm.engine.restarts == 1
+        assert_no_leak(llm.engine)
+        engine.check_health()
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_dead_engine_loop_fails_health_and_every_waiting_stream(tiny_model_factory):
-    """If the step loop dies (here: an injected fault), check_health raises and waiting
-    consumers get EngineDeadError instead of hanging."""
+    """If the step loop dies (here: a fault whose reset fails too), check_health raises
+    and waiting consumers get EngineDeadError instead of hanging."""
     from loraplex.platform.async_engine import EngineDeadError
 
     llm = LLM(str(tiny_model_factory("llama")), max_model_len=64, dtype="float32")
@@ -217,7 +256,11 @@ def test_dead_engine_loop_fails_health_and_every_waiting_stream(tiny_model_facto
     def broken_step():
         raise RuntimeError("injected fault")
 
+    def broken_reset():
+        raise RuntimeError("injected fault in reset")
+
     llm.engine.step = broken_step
+    llm.engine.reset = broken_reset
 
     async def scenario():
         params = SamplingParams(temperature=0, max_tokens=5)

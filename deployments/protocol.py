@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from loraplex.deployments.catalog import ADAPTER_NAME
 from loraplex.platform.request import SamplingParams
 
-
 INT32_MAX = 2**31 - 1
 
 

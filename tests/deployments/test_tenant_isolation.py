@@ -21,6 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from fuzz_strategies import ANY_NUMBER, COMPLETION_BODY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -381,36 +382,12 @@ def test_a_request_over_the_tenants_whole_budget_is_400(tenant_client):
 
 
 # ---- acceptance 2: fuzz over HTTP ------------------------------------------------------------
-_NUMBER = st.one_of(
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0, 1, -1, 512, 513, 2**31, 2**63, 2**64, 1e-300, 1e308]),
-)
-_SAMPLING = {
-    "max_tokens": st.one_of(st.integers(1, 5), _NUMBER, st.none()),
-    "temperature": st.one_of(st.floats(0, 2), _NUMBER),
-    "top_p": st.one_of(st.floats(0, 1), _NUMBER),
-    "top_k": st.one_of(st.integers(-2, 600), _NUMBER),
-    "min_p": st.one_of(st.floats(0, 1), _NUMBER),
-    "n": st.one_of(st.integers(1, 3), _NUMBER),
-    "seed": st.one_of(st.none(), _NUMBER),
-    "presence_penalty": _NUMBER,
-    "frequency_penalty": _NUMBER,
-    "repetition_penalty": st.one_of(st.floats(0.1, 10), _NUMBER),
-    "logprobs": st.one_of(st.none(), st.integers(0, 5), _NUMBER),
-    "stop": st.one_of(st.none(), st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5)),
-    "prompt": st.one_of(
-        st.text(max_size=20),
-        st.lists(st.integers(-3, 600), max_size=12),
-        st.lists(st.sampled_from([2**63, 2**64, -(2**63), 10**30]), min_size=1, max_size=2),
-    ),
-}
 
 
 @settings(
     max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(body=st.fixed_dictionaries({"model": st.just("tiny")}, optional=_SAMPLING))
+@given(body=COMPLETION_BODY)
 def test_fuzzed_sampling_fields_are_served_or_400(serve_url, tenant_keys, replica, body):
     """Every draw is served to the end or refused with a 400; `replica` checks that
     the engine never restarted and the replica is the same one afterwards."""
@@ -424,7 +401,7 @@ def test_fuzzed_sampling_fields_are_served_or_400(serve_url, tenant_keys, replic
 
 
 _CONFIG_VALUE = st.one_of(
-    _NUMBER, st.booleans(), st.none(), st.text(max_size=6), st.lists(st.integers(), max_size=2)
+    ANY_NUMBER, st.booleans(), st.none(), st.text(max_size=6), st.lists(st.integers(), max_size=2)
 )
 _PATTERN_KEY = st.one_of(
     st.sampled_from(["q_proj", "v_proj", "self_attn.q_proj", "layers.1.self_attn.v_proj"]),

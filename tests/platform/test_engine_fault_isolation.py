@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 import torch
+from fuzz_strategies import COMPLETION_BODY
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
@@ -233,30 +233,6 @@ def test_cache_salts_keep_prefix_caches_apart(setup):
 
 
 # ---- fuzz: every value of every field is served or refused, the engine never dies ----
-_ANY_NUMBER = st.one_of(
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, 1e-300, 1e308]),
-)
-_FIELDS = {
-    "max_tokens": st.one_of(st.integers(1, 6), _ANY_NUMBER, st.none()),
-    "temperature": st.one_of(st.floats(0, 2), _ANY_NUMBER),
-    "top_p": st.one_of(st.floats(0, 1), _ANY_NUMBER),
-    "top_k": st.one_of(st.integers(-2, 600), _ANY_NUMBER),
-    "min_p": st.one_of(st.floats(0, 1), _ANY_NUMBER),
-    "n": st.one_of(st.integers(1, 4), _ANY_NUMBER),
-    "seed": st.one_of(st.none(), _ANY_NUMBER),
-    "presence_penalty": st.one_of(st.floats(-2, 2), _ANY_NUMBER),
-    "frequency_penalty": st.one_of(st.floats(-2, 2), _ANY_NUMBER),
-    "repetition_penalty": st.one_of(st.floats(0.01, 10), _ANY_NUMBER),
-    "logprobs": st.one_of(st.none(), st.integers(0, 5), _ANY_NUMBER),
-    "stop": st.one_of(st.none(), st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5)),
-    "prompt": st.one_of(
-        st.text(max_size=20),
-        st.lists(st.integers(-3, 600), min_size=0, max_size=20),
-        st.lists(st.sampled_from([2**63, 2**64, -(2**63)]), min_size=1, max_size=2),
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +243,7 @@ def fuzz_llm(setup):
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(body=st.fixed_dictionaries({"model": st.just("tiny")}, optional=_FIELDS))
+@given(body=COMPLETION_BODY)
 def test_sampling_fields_fuzz_served_or_refused(fuzz_llm, body):
     """Through the API's own schema and the engine's checks, as the model server does:
     each draw is refused (schema or ValueError: a 400) or served to the end."""

@@ -365,6 +365,25 @@ def _check_cache(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int
     return kv_cache.shape[3], num_kv_heads, num_heads // num_kv_heads
 
 
+_MIN_KEY_TILE = 16
+"""tl.dot needs every tile dimension >= 16."""
+
+
+def _decode_block_n(device: torch.device, partition_size: int | None) -> int:
+    """Keys per decode tile: 64 on the GPU (16 under the interpreter, whose cost is per
+    element); a forced `partition_size` must be a multiple of 16 and gets the largest
+    tile of 64, 32, 16 (16 off the GPU) that divides it."""
+    widest = 64 if _on_gpu(device) else _MIN_KEY_TILE
+    if partition_size is None:
+        return widest
+    if partition_size <= 0 or partition_size % _MIN_KEY_TILE:
+        raise ValueError(f"partition_size {partition_size} is not a multiple of {_MIN_KEY_TILE}")
+    block_n = widest
+    while partition_size % block_n:
+        block_n //= 2
+    return block_n
+
+
 def decode_partition_size(
     device: torch.device, num_programs: int, max_seq_len: int, block_n: int
 ) -> int:
@@ -395,7 +414,7 @@ def decode_attention(
 
     q [D, H, Dh]; kv_cache [2, N, Hkv, B, Dh]; block_tables [D, W] int32/int64;
     seq_lens [D] int with 1 <= seq_lens[d] <= W * B; out [D, H, Dh] (allocated if None).
-    `partition_size` (a multiple of the key tile) forces split-K; None picks one.
+    `partition_size` (a multiple of 16 keys) forces split-K; None picks one.
     `scratch` (the step's AttentionMetadata.cache) keeps the split-K partials across layers.
     """
     num_decodes, num_heads, head_dim = q.shape
@@ -404,13 +423,11 @@ def decode_attention(
     if num_decodes == 0:
         return out
     block_size, num_kv_heads, groups = _check_cache(q, kv_cache)
-    block_n = 64 if _on_gpu(q.device) else 16
+    block_n = _decode_block_n(q.device, partition_size)
     max_seq_len = block_tables.shape[1] * block_size
     partition = partition_size or decode_partition_size(
         q.device, num_decodes * num_kv_heads, max_seq_len, block_n
     )
-    if partition % block_n:
-        raise ValueError(f"partition_size {partition} is not a multiple of {block_n}")
     num_splits = triton.cdiv(max_seq_len, partition)
     block_d = triton.next_power_of_2(head_dim)
     part_acc, part_stats = _decode_partials(
@@ -497,6 +514,18 @@ def _decode_partials(
     return both[..., :head_dim], both[..., head_dim:]
 
 
+def _prefill_tiles(device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M queries, BLOCK_N keys) per prefill tile. 16 x 16 under the interpreter.
+    On the GPU 64 x 64 for half precision; fp32 (IEEE dot, no tensor-core layouts) at
+    64 x 64 spills about 3400 registers per thread and ran 25x slower than 32 x 32
+    (H100, Dh = 128, 2026-11-24: 59 ms vs 2.3 ms for 4 chunks of 512 after 512)."""
+    if not _on_gpu(device):
+        return 16, 16
+    if dtype == torch.float32:
+        return 32, 32
+    return 64, 64
+
+
 def prefill_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -523,9 +552,7 @@ def prefill_attention(
         return out
     block_size, _, groups = _check_cache(q, kv_cache)
     starts, q_lens, s_lens = _prefill_tensors(scratch, query_lens, seq_lens, q.device)
-    on_gpu = _on_gpu(q.device)
-    block_m = 64 if on_gpu else 16
-    block_n = 64 if on_gpu else 16
+    block_m, block_n = _prefill_tiles(q.device, q.dtype)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (len(query_lens), triton.cdiv(max(query_lens), block_m), num_heads)
     _prefill_kernel[grid](

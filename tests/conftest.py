@@ -9,8 +9,18 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The device the Triton kernel tests (tests/kernels, tests/platform/test_triton_path.py)
+# run on, read by those modules: 'cuda' compiles the kernels for the GPU, 'cpu' runs them
+# under the Triton interpreter. Default: 'cuda' where a GPU is visible, else 'cpu';
+# LORAPLEX_TEST_DEVICE=cpu forces the interpreter on a GPU machine too.
+TEST_DEVICE_ENV = "LORAPLEX_TEST_DEVICE"
+os.environ.setdefault(TEST_DEVICE_ENV, "cuda" if torch.cuda.is_available() else "cpu")
+if os.environ[TEST_DEVICE_ENV] not in ("cpu", "cuda"):
+    raise RuntimeError(f"{TEST_DEVICE_ENV}={os.environ[TEST_DEVICE_ENV]!r}; use 'cpu' or 'cuda'")
+if os.environ[TEST_DEVICE_ENV] == "cuda" and not torch.cuda.is_available():
+    raise RuntimeError(f"{TEST_DEVICE_ENV}=cuda but torch sees no CUDA device")
 # Triton kernels run under the interpreter on CPU; it must be on before any @triton.jit.
-if not torch.cuda.is_available():
+if os.environ[TEST_DEVICE_ENV] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

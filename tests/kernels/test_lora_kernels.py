@@ -4,9 +4,10 @@ the slow fp32 reference of `kernels/lora.py`, over adapter-popularity patterns,
 mixed ranks, fused projections, batch kinds and edge cases.
 
 Off CUDA the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1),
-which is slow: shapes stay tiny. Token layouts follow the runner: decodes first (one
-token per sequence, sorted by slot), then prefill chunks (contiguous per sequence,
-sorted by slot); -1 marks base-model sequences.
+which is slow: shapes stay tiny. LORAPLEX_TEST_DEVICE (tests/conftest.py) picks the
+device; the native CPU path is checked on 'cpu' only. Token layouts follow the runner:
+decodes first (one token per sequence, sorted by slot), then prefill chunks (contiguous
+per sequence, sorted by slot); -1 marks base-model sequences.
 
 Tolerances (on out = out + delta, compared in fp32 with torch.testing.assert_close):
     fp32: rtol = atol = 1e-4    (both paths accumulate in fp32)
@@ -17,6 +18,7 @@ Tolerances (on out = out + delta, compared in fp32 with torch.testing.assert_clo
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -32,7 +34,8 @@ from loraplex.kernels.lora import (
     triton_add_lora,
 )
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
+"""Set by tests/conftest.py: 'cuda' on a GPU, else 'cpu' (the Triton interpreter)."""
 TOLERANCES = {
     torch.float32: 1e-4,
     torch.float16: 4e-3,
@@ -353,7 +356,10 @@ def test_torch_path_with_fp32_slots_for_a_half_model(dtype: torch.dtype, with_ra
     expected = reference_expand(
         reference_shrink(x, lora_a, batch.token_slots), lora_b, batch.token_slots, out
     )
-    for add_lora, b in ((torch_add_lora, lora_b), (cpu_add_lora, rank_major_fp32(lora_b))):
+    paths = [(torch_add_lora, lora_b)]
+    if DEVICE.type == "cpu":
+        paths.append((cpu_add_lora, rank_major_fp32(lora_b)))
+    for add_lora, b in paths:
         got = out.clone()
         add_lora(got, x, lora_a, b, batch)
         assert got.dtype == dtype

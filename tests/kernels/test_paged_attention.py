@@ -4,7 +4,8 @@ boundaries, key tiles spanning blocks and blocks spanning tiles, GQA groups that
 not powers of two, a head size that is not, and never-written cache slots (NaN: any
 read of them would show up in the output).
 
-Off CUDA the kernels run under the Triton interpreter, so shapes stay small.
+Off CUDA the kernels run under the Triton interpreter, so shapes stay small
+(LORAPLEX_TEST_DEVICE, see tests/conftest.py, picks the device).
 
 Tolerances (out compared with torch.testing.assert_close against the fp64 reference
 rounded to the dtype): fp32 1e-5 (fp32 products and sums); fp16 2e-3 and bf16 2e-2
@@ -13,13 +14,16 @@ rounded to the dtype): fp32 1e-5 (fp32 products and sums); fp16 2e-3 and bf16 2e
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from loraplex.kernels import paged_attention as triton_attention
 from loraplex.kernels.torch_paged_attention import reference_paged_attention
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
+"""Set by tests/conftest.py: 'cuda' on a GPU, else 'cpu' (the Triton interpreter)."""
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = list(TOLERANCES)
 
@@ -109,17 +113,20 @@ def test_decode_writes_into_a_strided_output_and_reads_a_strided_query():
     output and the engine's shared output buffer); split partials reused from scratch."""
     seq_lens, heads, kv_heads, head_dim = [5, 18, 40], 4, 2, 16
     layout = PagedLayout(seq_lens, 8, kv_heads, head_dim, torch.float32)
-    wide = layout.queries(3, heads + 2 * kv_heads, torch.float32)
+    wide = layout.queries(3, heads + 2 * kv_heads, torch.float32).to(DEVICE)
     q = wide[:, :heads]
-    out_buffer = torch.zeros(3, heads + 1, head_dim)
+    out_buffer = torch.zeros(3, heads + 1, head_dim, device=DEVICE)
     out = out_buffer[:, 1:]
     scratch: dict[str, torch.Tensor] = {}
-    args = (layout.block_tables(), torch.tensor(seq_lens), head_dim**-0.5)
+    cache = layout.cache.to(DEVICE)
+    args = (layout.block_tables().to(DEVICE), torch.tensor(seq_lens).to(DEVICE), head_dim**-0.5)
     for _ in range(2):
         triton_attention.decode_attention(
-            q, layout.cache, *args, out=out, partition_size=16, scratch=scratch
+            q, cache, *args, out=out, partition_size=16, scratch=scratch
         )
-    expected = reference_paged_attention(q, layout.cache, layout.tables, seq_lens, [1] * 3, 0.25)
+    expected = reference_paged_attention(
+        q.cpu(), layout.cache, layout.tables, seq_lens, [1] * 3, 0.25
+    )
     check(out, expected, torch.float32)
     assert out_buffer[:, 0].eq(0).all()
     assert len(scratch) == 1

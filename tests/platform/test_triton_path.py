@@ -2,10 +2,13 @@
 LoRA kernels; run by the interpreter off CUDA) and its native CPU path (kernels/cpu_ops)
 each give the same greedy fp32 outputs as its plain torch path, token for token, with
 prefix hits, chunked prefill mixed with decodes, and preemption. Tiny models keep the
-interpreter's cost down."""
+interpreter's cost down. The Triton path and its torch reference run on
+LORAPLEX_TEST_DEVICE (tests/conftest.py: 'cuda' on a GPU, else 'cpu' under the
+interpreter); the native CPU path always runs on the CPU."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -33,9 +36,11 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def generate(folder, backend: str, mode: dict, monkeypatch) -> list[list[int]]:
+def generate(folder, backend: str, mode: dict, monkeypatch, device: str) -> list[list[int]]:
     monkeypatch.setenv(KERNEL_BACKEND_ENV, backend)
-    options = {"dtype": "float32", "max_model_len": 128, **mode}
+    options = {"dtype": "float32", "max_model_len": 128, "device": device, **mode}
+    if device == "cuda":
+        options.setdefault("kv_cache_memory_bytes", 256 << 20)  # not 10% of the GPU per engine
     llm = LLM(str(folder), **options)
     assert llm.engine.kernel_backend == backend
     uses_triton = isinstance(llm.engine.runner.model.norm.kernels, TritonLayerKernels)
@@ -54,10 +59,12 @@ def generate(folder, backend: str, mode: dict, monkeypatch) -> list[list[int]]:
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_kernel_path_equals_torch_path(tiny_model_factory, kind, mode, backend, monkeypatch):
-    """Triton kernels (interpreted) and the native CPU kernels each against torch."""
+    """Triton kernels (compiled on a GPU, else interpreted) and the native CPU kernels each
+    against torch on the same device."""
     folder = tiny_model_factory(kind)
-    expected = generate(folder, "torch", MODES[mode], monkeypatch)
-    assert generate(folder, backend, MODES[mode], monkeypatch) == expected
+    device = os.environ.get("LORAPLEX_TEST_DEVICE", "cpu") if backend == "triton" else "cpu"
+    expected = generate(folder, "torch", MODES[mode], monkeypatch, device)
+    assert generate(folder, backend, MODES[mode], monkeypatch, device) == expected
 
 
 def test_backend_selection(monkeypatch):

@@ -22,6 +22,7 @@ Admin API (a tenant manages its own adapters, nobody else's):
     DELETE /v1/adapters/{model}/{name}          unregister
 """
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -42,6 +43,7 @@ from ray.serve.handle import DeploymentHandle
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import PlatformConfig
 from loraplex.deployments.errors import OpenAIError, error_response
+from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import TENANT_LABELS, IngressMetrics, render_prometheus
 from loraplex.deployments.model_server import GenerateCall, GenerateError, StreamStep
 from loraplex.deployments.protocol import (
@@ -71,6 +73,7 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 256
 OVERLOAD_RETRY_AFTER_S = 2
+READY_PROBE_TIMEOUT_S = 2.0
 Body = TypeVar("Body", bound=BaseModel)
 
 app = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
@@ -159,6 +162,7 @@ class OpenAIIngress:
     """Authenticates, routes by model name, applies tenant limits, streams responses."""
 
     def __init__(self, config: PlatformConfig, servers: list[DeploymentHandle]) -> None:
+        send_platform_logs_to_serve()
         self.bases = [model.name for model in config.models]
         self.servers = dict(zip(self.bases, servers, strict=True))
         self.tenants = Tenants(config.tenants)
@@ -167,6 +171,7 @@ class OpenAIIngress:
         self.operator_digests = frozenset(config.operator.key_digests())
         self.log_prompts = config.log_prompts
         self.metrics = IngressMetrics()
+        self._models_up: set[str] = set()
         logger.info(
             "ingress ready: models=%s tenants=%d auth=%s adapter_root=%s",
             self.bases,
@@ -183,8 +188,26 @@ class OpenAIIngress:
 
     # ---- read-only endpoints -----------------------------------------------------------
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> JSONResponse:
+        """200 once every base model has a replica up (loaded and warmed up), else 503:
+        a started app is ready only when it can serve. Once a model answered, it counts
+        as up for good (a model scaling its replicas does not make the app unhealthy)."""
+        waiting = await self._models_not_up()
+        if waiting:
+            return JSONResponse({"status": "starting", "waiting_for": waiting}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def _models_not_up(self) -> list[str]:
+        for base in self.bases:
+            if base in self._models_up:
+                continue
+            try:
+                await asyncio.wait_for(self.servers[base].ready.remote(), READY_PROBE_TIMEOUT_S)
+            except (asyncio.TimeoutError, RayError, BackPressureError):
+                continue
+            self._models_up.add(base)
+            logger.info("model %s is up", base)
+        return [base for base in self.bases if base not in self._models_up]
 
     @app.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> PlainTextResponse:
@@ -317,6 +340,7 @@ class OpenAIIngress:
             ) from None
         except RayError as exc:
             raise replica_failed(route.base, call.request_id, exc) from None
+        self._models_up.add(route.base)
         if isinstance(first, GenerateError):
             raise _generate_error(first)
         return steps, first

@@ -1,7 +1,8 @@
 """ModelServer: one Ray Serve deployment per base model; each replica owns one AsyncEngine.
 
 Its jobs:
-- build the engine from a validated `ModelDeploymentConfig` (model, engine options);
+- build the engine from a validated `ModelDeploymentConfig` (model, engine options) and
+  warm it up before the replica reports ready, so the first burst is served warm;
 - turn a `GenerateCall` (prompt text, token ids or chat messages + sampling params)
   into a stream of `StreamDelta`s: per completion, only what is new since the last one;
 - run the call on the LoRA adapter named by the Serve multiplexed model id (see
@@ -40,6 +41,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.store import AdapterStore
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
 from loraplex.deployments.config import ModelDeploymentConfig
+from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics
 from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
 from loraplex.platform.engine import LLMEngine
@@ -136,9 +138,12 @@ def _pinned_version(entry: AdapterEntry) -> int | None:
 
 class ModelServer:
     def __init__(self, config: ModelDeploymentConfig, adapter_root: str) -> None:
+        send_platform_logs_to_serve()
         self.config = config
         engine_config = config.engine_config()
-        self.engine = AsyncEngine(LLMEngine(engine_config))
+        engine = LLMEngine(engine_config)
+        engine.warm_up()
+        self.engine = AsyncEngine(engine)
         self.catalog = AdapterCatalog(adapter_root, {config.name: dict(config.adapters)})
         replica = serve.get_replica_context().replica_id.unique_id if _in_serve() else "local"
         self.metrics = EngineMetrics(config.name, replica)
@@ -311,6 +316,11 @@ class ModelServer:
             tracker.num_tokens,
             elapsed,
         )
+
+    def ready(self) -> str:
+        """Answers once this replica is up (constructed and warmed up): the ingress's
+        readiness probe."""
+        return self.config.name
 
     def check_health(self) -> None:
         self.engine.check_health()

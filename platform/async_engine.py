@@ -74,19 +74,24 @@ class _Stream:
     """Hands one request's outputs from the loop thread to its coroutine."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def newest(self) -> RequestOutput:
-        item = await self._queue.get()
-        while not self._queue.empty() and not isinstance(item, BaseException):
-            item = self._queue.get_nowait()
+        item = await self.queue.get()
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            item = self.queue.get_nowait()
         if isinstance(item, BaseException):
             raise item
         return item
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.queue.put_nowait(output)
 
 
 class AsyncEngine:
@@ -212,8 +217,7 @@ class AsyncEngine:
             self._wakeup.clear()
             self.last_step_time = time.monotonic()
             return
-        for output in self.engine.step():
-            self._deliver(output.request_id, output)
+        self._deliver_step(self.engine.step())
         self.last_step_time = time.monotonic()
 
     def _restart(self, exc: Exception) -> bool:
@@ -277,6 +281,18 @@ class AsyncEngine:
                 if output is not None:
                     self._deliver(command.request_id, output)
                     logger.info("request %s aborted", command.request_id)
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs reach their streams in one callback per event loop (not one
+        wake-up per request): the consumers' loop and this thread share one GIL."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:

@@ -44,6 +44,11 @@ class BlockPool:
         return self.num_blocks - self.num_free
 
     @property
+    def num_cached(self) -> int:
+        """Blocks published in the prefix cache (free or in use)."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -23,7 +23,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="engine / workload seed")
 
 
-def build_parser() -> argparse.ArgumentParser:
+BenchCommand = Callable[[argparse._SubParsersAction], None]
+"""Adds one more `loraplex bench <kind>` (packages above the engine bring their own)."""
+
+
+def build_parser(bench_commands: Sequence[BenchCommand] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loraplex", description="Multi-tenant, multi-LoRA LLM serving."
     )
@@ -78,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-loras", type=int, default=None, help="engine adapter slots (default: max(N, 1))"
     )
     offline.set_defaults(handler=run_bench_offline)
+    for add_command in bench_commands:
+        add_command(bench_kinds)
     return parser
 
 
@@ -156,8 +162,8 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, bench_commands: Sequence[BenchCommand] = ()) -> int:
+    args = build_parser(bench_commands).parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

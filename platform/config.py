@@ -42,7 +42,10 @@ class ModelConfig:
     `model` is a registered name (e.g. 'smollm2-135m-instruct') or a local folder in
     Hugging Face layout (config.json + *.safetensors + tokenizer files).
     `max_model_len` caps prompt + generated tokens; None means the model's own
-    `max_position_embeddings`.
+    `max_position_embeddings`. `num_threads` is torch's intra-op thread count on a CPU;
+    None means every core this process may run on. (Ray sets OMP_NUM_THREADS to an
+    actor's whole CPUs, 1 for a replica reserving 0.5: left alone, a served engine
+    would compute on one core while the offline one uses all.)
     """
 
     model: str = "smollm2-135m-instruct"
@@ -50,6 +53,11 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,7 @@ class EngineConfig:
         device: str = "cpu",
         max_model_len: int | None = None,
         seed: int = 0,
+        num_threads: int | None = None,
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
         kv_cache_memory_fraction: float = 0.1,
@@ -199,6 +208,7 @@ class EngineConfig:
                 device=device,
                 max_model_len=max_model_len,
                 seed=seed,
+                num_threads=num_threads,
             ),
             cache=CacheConfig(
                 block_size=block_size,

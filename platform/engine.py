@@ -90,6 +90,7 @@ class LLMEngine:
         self.device = torch.device(config.model.device)
         if self.device.type == "cpu":
             keep_freed_memory()
+            torch.set_num_threads(config.model.num_threads or len(os.sched_getaffinity(0)))
         torch.manual_seed(config.model.seed)
         self.kernel_backend = kernel_backend(self.device)
         arch = ModelArch.from_folder(folder)
@@ -148,13 +149,14 @@ class LLMEngine:
                     shard.kv_cache_bytes / 2**20,
                 )
         logger.info(
-            "engine ready in %.1fs: model=%s dtype=%s device=%s kernels=%s tp=%d "
+            "engine ready in %.1fs: model=%s dtype=%s device=%s threads=%d kernels=%s tp=%d "
             "blocks=%d x %d tokens, "
             "max_model_len=%d, lora slots=%d x rank %d (%.1f MiB)",
             time.monotonic() - started,
             config.model.model,
             config.model.dtype,
             self.device,
+            torch.get_num_threads(),
             self.kernel_backend,
             tp_size,
             num_blocks,
@@ -164,6 +166,29 @@ class LLMEngine:
             lora.max_lora_rank,
             (lora_slots.num_bytes if lora_slots else 0) / 2**20,
         )
+
+    def warm_up(self) -> float:
+        """Runs one full step's token budget of throwaway prompts through prefill and a
+        few full-batch decode steps, then forgets them (fresh blocks, prefix cache and
+        scheduler): the native kernels are built and loaded, and the largest activation
+        buffers exist, before the first real request. Returns the seconds it took."""
+        started = time.monotonic()
+        scheduler = self.config.scheduler
+        count = max(1, min(scheduler.max_num_seqs, self.num_blocks // 2))
+        length = max(1, min(scheduler.max_num_batched_tokens // count, self.max_model_len - 8))
+        vocab = self.arch.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for index in range(count):
+            prompt = [(index * 7919 + position * 104729) % vocab for position in range(length)]
+            self.add_group(self.make_request_group(f"warm-up-{index}", prompt, params))
+        while self.has_unfinished():
+            self.step()
+        queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
+        self._build_request_state()
+        self.kv_cache.prefix_queries, self.kv_cache.prefix_hits = queries, hits
+        elapsed = time.monotonic() - started
+        logger.info("engine warmed up in %.1fs (%d prompts x %d tokens)", elapsed, count, length)
+        return elapsed
 
     def _build_request_state(self) -> None:
         """Fresh block pool, block tables, scheduler queues and output groups."""

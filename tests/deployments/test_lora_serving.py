@@ -246,3 +246,66 @@ def test_metrics_endpoint_exposes_engine_adapter_and_tenant_metrics(
             raise AssertionError(f"missing from /metrics: {missing}")
         time.sleep(2)
     assert "ray_" not in text and "SessionName" not in text
+
+
+def test_sixty_four_concurrent_streams_with_disconnects_lose_and_duplicate_nothing(
+    serve_url, tenant_keys, offline, model_server
+):
+    """64 streams at once over the base model and three adapters (the replica runs 16 at
+    a time, the rest queue), a seeded quarter of them dropped by the client after their
+    first chunk: every other stream's text equals the offline engine's token for token,
+    its chunks add up to its usage count (nothing lost or sent twice by the engine's
+    coalescing of outputs a slow consumer has not read), and every block comes back."""
+    import asyncio
+    import random
+
+    models = ["tiny", "tiny:sa", "tiny:sb", "tiny:sc"]
+    rng = random.Random(64)
+    jobs = [
+        (models[i % 4], [rng.randrange(1, 500) for _ in range(4 + i % 9)], rng.random() < 0.25)
+        for i in range(64)
+    ]
+
+    async def run_all() -> list[tuple[str, int, int] | None]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{serve_url}/v1", api_key=tenant_keys["acme"], max_retries=0, timeout=300
+        )
+
+        async def one(model: str, prompt: list[int], drop: bool):
+            stream = await client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=MAX_NEW,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, chunks, usage = "", 0, 0
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+                if chunk.choices and chunk.choices[0].text:
+                    text += chunk.choices[0].text
+                    chunks += 1
+                    if drop:
+                        await stream.close()
+                        return None
+            return text, chunks, usage
+
+        try:
+            return await asyncio.gather(*(one(*job) for job in jobs))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    for (model, prompt, drop), result in zip(jobs, results, strict=True):
+        if drop:
+            assert result is None
+            continue
+        text, chunks, usage = result
+        adapter = None if model == "tiny" else model.split(":")[1]
+        assert text == offline_text(offline, prompt, adapter), (model, prompt)
+        assert usage == MAX_NEW and 1 <= chunks <= MAX_NEW
+    assert sum(drop for *_, drop in jobs) >= 8
+    info = wait_idle(model_server)
+    assert info["streams"] == 0

@@ -273,3 +273,38 @@ def test_dead_engine_loop_fails_health_and_every_waiting_stream(tiny_model_facto
             engine.check_health()
     finally:
         engine.shutdown()
+
+
+def test_warm_up_leaves_no_trace_and_changes_no_output(tiny_model_factory):
+    """After `warm_up` every block is free, nothing is queued, no warm-up prompt can hit
+    the prefix cache, and greedy outputs equal a cold engine's token for token."""
+    folder = str(tiny_model_factory("llama"))
+    options = dict(max_model_len=64, dtype="float32", max_num_seqs=8, max_num_batched_tokens=96)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8] * 3, [1] * 20]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cold = [o.token_ids for o in LLM(folder, **options).generate(prompts, params)]
+    warm = LLM(folder, **options)
+    seconds = warm.engine.warm_up()
+    assert seconds > 0
+    assert_no_leak(warm.engine)
+    assert warm.engine.kv_cache.pool.num_cached == 0
+    assert [o.token_ids for o in warm.generate(prompts, params)] == cold
+    assert_no_leak(warm.engine)
+
+
+def test_num_threads_sets_torch_threads(tiny_model_factory):
+    import os
+
+    import torch
+
+    folder = str(tiny_model_factory("llama"))
+    before = torch.get_num_threads()
+    try:
+        LLM(folder, max_model_len=32, num_threads=1)
+        assert torch.get_num_threads() == 1
+        LLM(folder, max_model_len=32)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        EngineConfig.create(folder, num_threads=0)

@@ -1,0 +1,112 @@
+"""Starts `serve run CONFIG` for a benchmark and stops it afterwards.
+
+The app runs in its own process session (so a terminal's Ctrl-C reaches the bench, not
+the app) and is stopped with SIGTERM, which `serve run` handles whatever signal
+dispositions it inherited; a process group still alive after the grace period is
+killed. Ready means `/health` answers and `/v1/models` lists the models."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 60.0
+
+
+def _get(url: str, api_key: str | None) -> int:
+    request = urllib.request.Request(url)
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+@dataclass
+class ServeApp:
+    """`with ServeApp(config, url, log_path): ...` runs the app for the block."""
+
+    config: Path
+    url: str
+    log_path: Path
+    api_key: str | None = None
+    cwd: Path | None = None
+    """Where `serve run` starts (relative paths in the config resolve there); default:
+    the config's folder."""
+    start_timeout_s: float = 600.0
+    process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServeApp:
+        if _get(f"{self.url}/health", None):
+            raise RuntimeError(f"something already answers on {self.url}; stop it first")
+        serve_cli = Path(sys.executable).with_name("serve")
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        env.setdefault("RAY_AUTH_MODE", "disabled")
+        env.pop("RAY_ADDRESS", None)
+        log = Path(self.log_path).open("w")
+        logger.info("starting serve run %s (log: %s)", self.config, self.log_path)
+        self.process = subprocess.Popen(
+            [str(serve_cli), "run", str(self.config)],
+            cwd=self.cwd or Path(self.config).resolve().parent,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        started = time.monotonic()
+        while True:
+            if self.process.poll() is not None:
+                tail = Path(self.log_path).read_text()[-3000:]
+                raise RuntimeError(f"serve run exited with {self.process.returncode}:\n{tail}")
+            if _get(f"{self.url}/health", None) == 200:
+                if _get(f"{self.url}/v1/models", self.api_key) == 200:
+                    logger.info("app ready after %.1fs", time.monotonic() - started)
+                    return
+            if time.monotonic() - started > self.start_timeout_s:
+                raise TimeoutError(f"serve run was not ready within {self.start_timeout_s:.0f}s")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("serve run did not stop within %.0fs; killing it", STOP_GRACE_S)
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()

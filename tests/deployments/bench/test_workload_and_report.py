@@ -1,0 +1,93 @@
+"""The serve bench's workload (exact lengths, shared prefix, models, arrivals, datasets)
+and its figures (percentiles, failures, Retry-After, timeline), without a server."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from loraplex.deployments.bench.client import RequestRecord
+from loraplex.deployments.bench.report import percentile, summarize, throughput_timeline
+from loraplex.deployments.bench.workload import (
+    WorkloadSpec,
+    arrival_offsets,
+    build_requests,
+    model_names,
+)
+
+POOL = list(range(10, 60))
+
+
+def test_random_prompts_have_exact_lengths_a_shared_prefix_and_round_robin_models():
+    spec = WorkloadSpec(7, 12, 5, ("b:x", "b:y", "b"), prefix_len=4, seed=3)
+    requests = build_requests(spec, POOL)
+    assert [r.prompt_len for r in requests] == [16] * 7
+    assert len({tuple(r.prompt[:4]) for r in requests}) == 1
+    assert len({tuple(r.prompt[4:]) for r in requests}) == 7
+    assert [r.model for r in requests] == ["b:x", "b:y", "b"] * 2 + ["b:x"]
+    assert all(set(r.prompt) <= set(POOL) and r.output_len == 5 for r in requests)
+    assert build_requests(spec, POOL) == requests
+    assert build_requests(WorkloadSpec(7, 12, 5, ("b",), seed=4), POOL) != requests
+
+
+def test_model_names():
+    assert model_names("base", []) == ("base",)
+    assert model_names("base", ["a", "base:b"]) == ("base:a", "base:b")
+
+
+def test_poisson_arrivals_are_seeded_increasing_and_at_the_rate():
+    offsets = arrival_offsets(4000, 50.0, random.Random(1))
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets == arrival_offsets(4000, 50.0, random.Random(1))
+    assert 4000 / offsets[-1] == pytest.approx(50.0, rel=0.1)
+    assert arrival_offsets(3, math.inf, random.Random(1)) == [0.0, 0.0, 0.0]
+
+
+def test_dataset_prompts_and_bad_lines(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", "output_len": 3}) + "\n\n" + '{"prompt": [1, 2]}\n')
+    requests = build_requests(WorkloadSpec(3, 0, 9, ("m",), dataset=path), POOL)
+    assert [(r.prompt, r.output_len) for r in requests] == [("hi", 3), ([1, 2], 9), ("hi", 3)]
+    assert requests[0].prompt_len is None and requests[1].prompt_len == 2
+    path.write_text('{"prompt": "x"}\n{"text": "y"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2"):
+        build_requests(WorkloadSpec(1, 0, 2, ("m",), dataset=path), POOL)
+    with pytest.raises(ValueError, match="request_rate"):
+        WorkloadSpec(1, 1, 1, ("m",), request_rate=0)
+
+
+def test_percentile_matches_linear_interpolation():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile(values, 99) == pytest.approx(4.96)
+    assert math.isnan(percentile([], 50))
+
+
+def record(index, chunks, tokens, status=200, error=None, retry_after=None, sent=0.0):
+    return RequestRecord(
+        index, "m", 4, sent_s=sent, chunk_s=chunks, end_s=(chunks or [sent])[-1] + 0.01,
+        output_tokens=tokens, status=status, error=error, retry_after=retry_after,
+    )  # fmt: skip
+
+
+def test_summary_counts_tokens_failures_and_missing_retry_after():
+    records = [
+        record(0, [0.1, 0.2, 0.3], 3),
+        record(1, [0.5, 0.7], 2, sent=0.2),
+        record(2, [], 0, status=503, error="busy", retry_after="2"),
+        record(3, [], 0, status=429, error="slow down"),
+        record(4, [], 0, status=0, error="timeout"),
+    ]
+    summary = summarize("b", records)
+    assert summary.completed == 2 and summary.output_tokens == 5
+    assert summary.failures == {"status 503": 1, "status 429": 1, "timeout": 1}
+    assert summary.missing_retry_after == 1
+    assert summary.ttft.count == 2 and summary.ttft.p50_ms == pytest.approx(200.0)
+    assert summary.itl.count == 3 and summary.itl.p50_ms == pytest.approx(100.0)
+    assert summary.tpot.mean_ms == pytest.approx((210 / 2 + 210) / 2)  # ends 10 ms after
+    assert summary.output_tok_s == pytest.approx(5 / summary.duration_s)
+    assert throughput_timeline(records[:2], bin_s=0.5) == [6.0, 4.0]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from loraplex.adapters.peft_format import SUPPORTED_MODULES
 from loraplex.deployments.config import PlatformConfig
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class BenchServeConfig:
             Path(workdir) / "adapters",
             names,
             SYNTHETIC_RANK,
-            ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+            SUPPORTED_MODULES,
         )
         data = copy.deepcopy(self.raw)
         model = next(

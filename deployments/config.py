@@ -61,6 +61,13 @@ class ModelDeploymentConfig(StrictConfig):
         default_factory=dict, description="keywords of EngineConfig.create"
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="wait for in-flight requests on stop")
+    stream_messages_per_step: int = Field(
+        16,
+        ge=0,
+        description="with more requests running than this, each streams every few steps "
+        "so a step sends about this many messages (platform/async_engine.py _Coalescing); "
+        "0: every token is its own event",
+    )
     fault_injection: bool = Field(
         False,
         description="let callers of the deployment handle arm engine failpoints "

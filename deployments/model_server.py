@@ -44,7 +44,6 @@ from loraplex.deployments.config import ModelDeploymentConfig
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics
 from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
-from loraplex.platform.engine import LLMEngine
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.request import Logprob, RequestOutput, SamplingParams
 
@@ -141,9 +140,9 @@ class ModelServer:
         send_platform_logs_to_serve()
         self.config = config
         engine_config = config.engine_config()
-        engine = LLMEngine(engine_config)
-        engine.warm_up()
-        self.engine = AsyncEngine(engine)
+        self.engine = AsyncEngine.build(
+            engine_config, warm_up=True, messages_per_step=config.stream_messages_per_step
+        )
         self.catalog = AdapterCatalog(adapter_root, {config.name: dict(config.adapters)})
         replica = serve.get_replica_context().replica_id.unique_id if _in_serve() else "local"
         self.metrics = EngineMetrics(config.name, replica)

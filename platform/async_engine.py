@@ -1,9 +1,12 @@
 """AsyncEngine: the LLMEngine's step loop on a background thread, fed by coroutines.
 
-`generate()` validates in the caller (bad input raises ValueError there), waits for
-its adapter to load (on the adapter store's threads, so the step loop keeps serving
-other requests meanwhile), hands the request to the loop thread and yields cumulative RequestOutputs as they arrive; when
-the consumer lags, only the newest output is kept (each one contains the previous).
+`AsyncEngine.build` builds the engine on the loop thread itself, so one thread runs
+all of its compute (platform/compute_threads.py). `generate()` validates in the caller
+(bad input raises ValueError there), waits for its adapter to load (on the adapter
+store's threads, so the step loop keeps serving other requests meanwhile), hands the
+request to the loop thread and yields cumulative RequestOutputs as they arrive; when
+the consumer lags, only the newest output is kept (each one contains the previous), and
+when many requests stream at once each yields every few steps (`_Coalescing`).
 Leaving the iterator early (client disconnect, cancellation) aborts the request, which
 frees its KV blocks on the next loop turn.
 
@@ -27,11 +30,12 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.adapters.peft_format import LoRAAdapter
+from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
 
@@ -89,15 +93,78 @@ class _Stream:
         return item
 
 
+class _Coalescing:
+    """Which of one request's outputs to yield when many requests stream at once.
+
+    Every yielded output crosses the serving path (a Ray message per hop, an SSE event,
+    a client wake-up) at a CPU cost per message that, on a small CPU host, competes with
+    the engine itself. So when the last step had outputs for more than
+    `messages_per_step` requests, each yields only every k-th of its outputs, k =
+    ceil(outputs / messages_per_step), staggered across requests so each step sends
+    about `messages_per_step` messages; its first output and its last always go out at
+    once. With at most `messages_per_step` requests running (a single stream included)
+    every output goes out. Outputs are cumulative, so one held back is contained in the next: no token
+    is lost or repeated, and time per output token is unchanged; only the events of a
+    busy stream carry several tokens each. 0 turns it off."""
+
+    def __init__(self, messages_per_step: int, offset: int) -> None:
+        self.messages_per_step = messages_per_step
+        self.received = 0
+        self.offset = offset
+
+    def holds_back(self, finished: bool, outputs_per_step: int) -> bool:
+        self.received += 1
+        if finished or self.received == 1 or not self.messages_per_step:
+            return False
+        every = -(-outputs_per_step // self.messages_per_step)
+        return (self.received + self.offset) % every != 0
+
+
 def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
     for stream, output in items:
         stream.queue.put_nowait(output)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.5) -> None:
-        self.engine = engine
+    def __init__(
+        self, engine: LLMEngine, idle_poll_s: float = 0.5, messages_per_step: int = 0
+    ) -> None:
+        """Runs an engine built elsewhere. Its step thread is then a second OpenMP
+        master beside the thread that built it, which costs CPU engines ~10% (see
+        platform/compute_threads.py): servers use `AsyncEngine.build`.
+        `messages_per_step`: see `_Coalescing` (0: every request yields every step)."""
+        self._start(lambda: engine, idle_poll_s, messages_per_step)
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        warm_up: bool = False,
+        idle_poll_s: float = 0.5,
+        messages_per_step: int = 0,
+    ) -> AsyncEngine:
+        """Builds the engine (and warms it up) on the step thread itself, so one thread
+        runs all of its compute; returns once it is ready, raising what building raised."""
+
+        def make() -> LLMEngine:
+            engine = LLMEngine(config)
+            if warm_up:
+                engine.warm_up()
+            return engine
+
+        async_engine = cls.__new__(cls)
+        async_engine._start(make, idle_poll_s, messages_per_step)
+        return async_engine
+
+    def _start(
+        self, make: Callable[[], LLMEngine], idle_poll_s: float, messages_per_step: int
+    ) -> None:
+        if messages_per_step < 0:
+            raise ValueError(f"messages_per_step must be >= 0, got {messages_per_step}")
         self._idle_poll_s = idle_poll_s
+        self._messages_per_step = messages_per_step
+        self._requests_started = 0
+        self._outputs_per_step = 0
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -106,8 +173,16 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._restart_times: list[float] = []
         self.last_step_time = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        built = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._run, args=(make, built, failure), name="loraplex-engine", daemon=True
+        )
         self._thread.start()
+        built.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
 
     # ---- client side ---------------------------------------------------------------
     async def generate(
@@ -136,6 +211,8 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self._send(_Add(group))
+        self._requests_started += 1
+        coalescing = _Coalescing(self._messages_per_step, self._requests_started)
         finished = False
         try:
             while not finished:
@@ -143,6 +220,8 @@ class AsyncEngine:
                 finished = output.finished
                 if output.error is not None:
                     raise RequestFailedError(output.error)
+                if coalescing.holds_back(finished, self._outputs_per_step):
+                    continue
                 yield output
         finally:
             with self._lock:
@@ -198,7 +277,17 @@ class AsyncEngine:
         self._wakeup.set()
 
     # ---- loop thread -------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(
+        self, make: Callable[[], LLMEngine], built: threading.Event, failure: list[BaseException]
+    ) -> None:
+        try:
+            self.engine = make()
+            self.engine.enter_compute_thread()
+        except BaseException as exc:
+            failure.append(exc)
+            return
+        finally:
+            built.set()
         while not self._stopping.is_set():
             try:
                 self._turn()
@@ -285,6 +374,7 @@ class AsyncEngine:
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs reach their streams in one callback per event loop (not one
         wake-up per request): the consumers' loop and this thread share one GIL."""
+        self._outputs_per_step = len(outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._lock:
             for output in outputs:

@@ -19,6 +19,7 @@ from loraplex.adapters.slots import LoRASlots
 from loraplex.adapters.store import AdapterStore
 from loraplex.kernels.selection import kernel_backend
 from loraplex.platform.block_pool import BlockPool
+from loraplex.platform.compute_threads import default_compute_threads, use_compute_threads
 from loraplex.platform.config import CacheConfig, EngineConfig
 from loraplex.platform.cpu_allocator import keep_freed_memory
 from loraplex.platform.failpoints import FAILPOINTS
@@ -90,7 +91,8 @@ class LLMEngine:
         self.device = torch.device(config.model.device)
         if self.device.type == "cpu":
             keep_freed_memory()
-            torch.set_num_threads(config.model.num_threads or len(os.sched_getaffinity(0)))
+        self.num_threads = config.model.num_threads or default_compute_threads()
+        self.enter_compute_thread()
         torch.manual_seed(config.model.seed)
         self.kernel_backend = kernel_backend(self.device)
         arch = ModelArch.from_folder(folder)
@@ -166,6 +168,12 @@ class LLMEngine:
             lora.max_lora_rank,
             (lora_slots.num_bytes if lora_slots else 0) / 2**20,
         )
+
+    def enter_compute_thread(self) -> None:
+        """Applies this engine's torch thread count to the calling thread; a thread
+        that steps the engine calls it first (see platform/compute_threads.py)."""
+        if self.device.type == "cpu":
+            use_compute_threads(self.num_threads)
 
     def warm_up(self) -> float:
         """Runs one full step's token budget of throwaway prompts through prefill and a

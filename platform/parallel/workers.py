@@ -33,6 +33,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.attention_metadata import AttentionMetadata
+from loraplex.platform.compute_threads import use_compute_threads
 from loraplex.platform.cpu_allocator import keep_freed_memory
 from loraplex.platform.models.registry import allocate_kv_caches, copy_blocks, load_model
 from loraplex.platform.parallel.group import TPGroup
@@ -100,7 +101,7 @@ class TPWorker:
 
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
         """Cheap, so rank 0 can tell "not scheduled" from "failed to load"."""
-        torch.set_num_threads(spec.num_threads)
+        use_compute_threads(spec.num_threads)
         if torch.device(spec.device).type == "cpu":
             keep_freed_memory()
         self.spec = spec
@@ -134,6 +135,7 @@ class TPWorker:
     @torch.inference_mode()
     def run(self) -> int:
         """Serves steps until rank 0 says stop; returns the number of steps run."""
+        use_compute_threads(self.spec.num_threads)
         steps = 0
         while True:
             message: StepMessage = self.group.broadcast_object(None, idle_wait=True)

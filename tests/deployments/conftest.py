@@ -73,6 +73,7 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
                 "engine": {**engine, "max_cpu_loras": 8},
                 "adapters": {name: str(folder) for name, folder in shared.items()},
                 "server": {"num_cpus": 0.1},
+                "stream_messages_per_step": 4,
                 "fault_injection": True,
             },
             {

@@ -255,7 +255,9 @@ def test_sixty_four_concurrent_streams_with_disconnects_lose_and_duplicate_nothi
     a time, the rest queue), a seeded quarter of them dropped by the client after their
     first chunk: every other stream's text equals the offline engine's token for token,
     its chunks add up to its usage count (nothing lost or sent twice by the engine's
-    coalescing of outputs a slow consumer has not read), and every block comes back."""
+    coalescing of outputs a slow consumer has not read, nor by stream coalescing: the
+    app streams 4 messages per step, so 16 running requests yield every 4th step), and
+    every block comes back."""
     import asyncio
     import random
 

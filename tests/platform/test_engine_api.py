@@ -308,3 +308,150 @@ def test_num_threads_sets_torch_threads(tiny_model_factory):
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="num_threads must be >= 1"):
         EngineConfig.create(folder, num_threads=0)
+
+
+STEP_THREAD_PROBE = """
+import asyncio, ctypes, sys
+from loraplex.platform import AsyncEngine, SamplingParams
+from loraplex.platform.config import EngineConfig
+from loraplex.platform.engine import LLMEngine
+
+gomp = next(line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line)
+omp_get_max_threads = ctypes.CDLL(gomp).omp_get_max_threads
+engine = LLMEngine(EngineConfig.create(sys.argv[1], max_model_len=32, num_threads=2))
+seen = []
+step = engine.step
+def recording_step():
+    seen.append(omp_get_max_threads())
+    return step()
+engine.step = recording_step
+async def main():
+    async_engine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    async for _ in async_engine.generate([1, 2, 3], params):
+        pass
+    async_engine.shutdown()
+asyncio.run(main())
+print(sorted(set(seen)))
+"""
+
+
+def test_the_step_thread_computes_with_the_engine_threads(tiny_model_factory):
+    """OpenMP GEMMs read the calling thread's thread count, and a new thread starts
+    from OMP_NUM_THREADS (Ray sets it to 1 for a fractional replica): the engine loop
+    thread must apply the engine's count itself."""
+    import os
+    import subprocess
+    import sys
+
+    folder = str(tiny_model_factory("llama"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-c", STEP_THREAD_PROBE, folder],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[2]"
+
+
+def test_build_runs_every_step_on_the_thread_that_built_the_engine(tiny_model_factory, monkeypatch):
+    """One OpenMP master per engine: building in the caller and stepping on the loop
+    thread cost ~10% on CPU (platform/compute_threads.py)."""
+    import threading
+
+    from loraplex.platform import async_engine as async_engine_module
+
+    threads: dict[str, set[int]] = {"built": set(), "warmed": set(), "stepped": set()}
+    real_init, real_warm_up, real_step = LLMEngine.__init__, LLMEngine.warm_up, LLMEngine.step
+
+    def init(self, config):
+        threads["built"].add(threading.get_ident())
+        real_init(self, config)
+
+    def warm_up(self):
+        threads["warmed"].add(threading.get_ident())
+        return real_warm_up(self)
+
+    def step(self):
+        threads["stepped"].add(threading.get_ident())
+        return real_step(self)
+
+    monkeypatch.setattr(async_engine_module.LLMEngine, "__init__", init)
+    monkeypatch.setattr(async_engine_module.LLMEngine, "warm_up", warm_up)
+    monkeypatch.setattr(async_engine_module.LLMEngine, "step", step)
+    config = EngineConfig.create(str(tiny_model_factory("llama")), max_model_len=64)
+    engine = AsyncEngine.build(config, warm_up=True)
+
+    async def one() -> None:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        async for _ in engine.generate([1, 2, 3], params):
+            pass
+
+    try:
+        asyncio.run(one())
+    finally:
+        engine.shutdown()
+    assert threads["built"] == threads["warmed"] == threads["stepped"]
+    assert threads["built"] != {threading.get_ident()}
+
+
+def test_build_raises_what_building_raised(tiny_model_factory):
+    config = EngineConfig.create(
+        str(tiny_model_factory("llama")), max_model_len=64, kv_cache_memory_bytes=1
+    )
+    with pytest.raises(ValueError, match="KV"):
+        AsyncEngine.build(config)
+
+
+def test_coalescing_schedule():
+    from loraplex.platform.async_engine import _Coalescing
+
+    def yielded(messages_per_step: int, streams: int, outputs: int, offset: int = 0):
+        coalescing = _Coalescing(messages_per_step, offset)
+        return [
+            index
+            for index in range(1, outputs + 1)
+            if not coalescing.holds_back(index == outputs, streams)
+        ]
+
+    assert yielded(16, 1, 10) == list(range(1, 11))
+    assert yielded(16, 16, 10) == list(range(1, 11))
+    assert yielded(0, 64, 10) == list(range(1, 11))
+    assert yielded(16, 64, 10) == [1, 4, 8, 10]
+    assert yielded(16, 64, 10, offset=1) == [1, 3, 7, 10]
+    with pytest.raises(ValueError, match="messages_per_step"):
+        AsyncEngine(LLMEngine.__new__(LLMEngine), messages_per_step=-1)
+
+
+def test_coalesced_streams_lose_and_repeat_nothing(llm):
+    """8 streams, 2 messages per step: each stream yields about every 4th step, and what
+    every stream ends with equals the engine's own greedy output, token for token."""
+    import itertools
+
+    prompts = [[1 + i, 2 + i, 3, 4 + i] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    engine = AsyncEngine(llm.engine, messages_per_step=2)
+
+    async def stream(index: int) -> list[list[int]]:
+        seen = []
+        async for output in engine.generate(prompts[index], params, request_id=f"c{index}"):
+            seen.append(list(output.outputs[0].token_ids))
+        return seen
+
+    async def scenario():
+        return await asyncio.gather(*(stream(i) for i in range(8)))
+
+    try:
+        streams = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    for seen, tokens in zip(streams, expected, strict=True):
+        assert seen[-1] == list(tokens)
+        for earlier, later in itertools.pairwise(seen):
+            assert later[: len(earlier)] == earlier and len(later) > len(earlier)
+        assert len(seen) <= 6
+    assert_no_leak(llm.engine)

@@ -38,7 +38,6 @@ from pathlib import Path
 from ray import serve
 
 from loraplex.adapters.peft_format import LoRAAdapter
-from loraplex.adapters.store import AdapterStore
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
 from loraplex.deployments.config import ModelDeploymentConfig
 from loraplex.deployments.logs import send_platform_logs_to_serve
@@ -114,19 +113,19 @@ class ResidentAdapter:
         self,
         entry: AdapterEntry,
         adapter: LoRAAdapter,
-        store: AdapterStore,
+        engine: AsyncEngine,
         resident_ids: set[str],
     ) -> None:
         self.entry = entry
         self.adapter = adapter
-        self._store = store
+        self._engine: AsyncEngine | None = engine
         self._resident_ids = resident_ids
         resident_ids.add(entry.model_id)
 
     def __del__(self) -> None:
-        store, self._store = self._store, None
-        if store is not None:
-            store.evict(self.entry.folder, _pinned_version(self.entry))
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.evict_adapter(self.entry.folder, _pinned_version(self.entry))
             self._resident_ids.discard(self.entry.model_id)
 
 
@@ -170,7 +169,7 @@ class ModelServer:
             str(entry.folder), entry.public_id, entry.root, _pinned_version(entry)
         )
         self.metrics.adapter_load.observe(time.perf_counter() - started, self.metrics.tags)
-        return ResidentAdapter(entry, adapter, self.engine.engine.adapters, self._resident_ids)
+        return ResidentAdapter(entry, adapter, self.engine, self._resident_ids)
 
     async def _adapter_for_call(self) -> LoRAAdapter | None:
         model_id = serve.get_multiplexed_model_id() if _in_serve() else ""
@@ -206,22 +205,13 @@ class ModelServer:
     def _report_stats(self) -> None:
         while not self._stop.wait(STATS_PERIOD_S):
             try:
-                self.metrics.record_engine(self.engine.engine.stats())
+                self.metrics.record_engine(self.engine.stats())
             except Exception:
                 logger.exception("recording engine metrics failed")
 
-    def _prompt_ids(self, call: GenerateCall) -> list[int]:
-        engine = self.engine.engine
-        if call.messages is None:
-            return engine.tokenize(call.prompt)
-        encoded = engine.tokenizer.apply_chat_template(
-            call.messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
-
     def _fit_max_tokens(self, call: GenerateCall, num_prompt_tokens: int) -> SamplingParams:
         """Sampling params whose max_tokens fits the context (see `max_tokens_given`)."""
-        limit = self.engine.engine.max_model_len
+        limit = self.engine.max_model_len
         room = limit - num_prompt_tokens
         params = call.params
         if params.max_tokens <= room or room < 1:
@@ -248,22 +238,12 @@ class ModelServer:
 
     def replica_info(self) -> dict:
         """This replica's id, resident adapters and engine state (tests, debugging)."""
-        engine = self.engine.engine
-        store = engine.adapters
+        snapshot = self.engine.snapshot()
         return {
             "replica": self.metrics.tags["replica"],
-            "host_adapters": store.num_cached if store else 0,
             "resident_model_ids": sorted(self._resident_ids),
-            "device_adapters": [a.name for a in engine.runner.lora_slots.resident]
-            if engine.runner.lora_slots
-            else [],
             "pid": os.getpid(),
-            "engine_restarts": engine.restarts,
-            "free_blocks": engine.kv_cache.pool.num_free,
-            "total_blocks": engine.kv_cache.pool.num_blocks,
-            "unfinished": engine.has_unfinished(),
-            "streams": self.engine.num_streams,
-            "shards": [dataclasses.asdict(shard) for shard in engine.shard_memory()],
+            **dataclasses.asdict(snapshot),
         }
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[StreamStep | GenerateError]:
@@ -274,7 +254,7 @@ class ModelServer:
         prompt_tokens = 0
         try:
             lora = await self._adapter_for_call()
-            prompt = self._prompt_ids(call)
+            prompt = self.engine.prompt_ids(call.prompt, call.messages)
             params = self._fit_max_tokens(call, len(prompt))
             tracker.worst_case_tokens = self._worst_case_tokens(call, len(prompt), params)
             stream = self.engine.generate(

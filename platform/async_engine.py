@@ -25,6 +25,7 @@ Failures stay as small as they can:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -62,6 +63,18 @@ class RequestFailedError(RuntimeError):
 RESTART_WINDOW_S = 60.0
 RESTARTS_BEFORE_BACKOFF = 3
 BACKOFF_S = 1.0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    host_adapters: int
+    device_adapters: list[str]
+    engine_restarts: int
+    free_blocks: int
+    total_blocks: int
+    unfinished: bool
+    streams: int
+    shards: list[dict]
 
 
 @dataclass(frozen=True)
@@ -275,6 +288,48 @@ class AsyncEngine:
     def _send(self, command: _Add | _Abort) -> None:
         self._commands.put(command)
         self._wakeup.set()
+
+    # ---- what a model server reads -------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def prompt_ids(
+        self, prompt: str | Sequence[int] | None, messages: list[dict[str, str]] | None = None
+    ) -> list[int]:
+        """A prompt's token ids: text or ids as given, or chat messages through the model's
+        chat template (with the assistant's turn opened). Ids are checked when the
+        request is made (`generate`)."""
+        if messages is None:
+            return self.engine.tokenize(prompt if prompt is not None else "")
+        encoded = self.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+
+    def stats(self) -> dict[str, float]:
+        """The engine's gauges and counters (LLMEngine.stats)."""
+        return self.engine.stats()
+
+    def evict_adapter(self, folder: str | Path, version: int | None) -> None:
+        """Drops an adapter's host copy (a no-op when LoRA is off or it is not held)."""
+        if self.engine.adapters is not None:
+            self.engine.adapters.evict(folder, version)
+
+    def snapshot(self) -> EngineSnapshot:
+        """What the engine holds now (tests, debugging, the replica's info endpoint)."""
+        engine = self.engine
+        slots = engine.runner.lora_slots
+        return EngineSnapshot(
+            host_adapters=engine.adapters.num_cached if engine.adapters else 0,
+            device_adapters=[a.name for a in slots.resident] if slots else [],
+            engine_restarts=engine.restarts,
+            free_blocks=engine.kv_cache.pool.num_free,
+            total_blocks=engine.kv_cache.pool.num_blocks,
+            unfinished=engine.has_unfinished(),
+            streams=len(self._streams),
+            shards=[dataclasses.asdict(shard) for shard in engine.shard_memory()],
+        )
 
     # ---- loop thread -------------------------------------------------------------------
     def _run(

@@ -455,3 +455,21 @@ def test_coalesced_streams_lose_and_repeat_nothing(llm):
             assert later[: len(earlier)] == earlier and len(later) > len(earlier)
         assert len(seen) <= 6
     assert_no_leak(llm.engine)
+
+
+def test_the_server_facing_api_reads_the_engine(llm):
+    """What the model deployment reads through AsyncEngine instead of reaching into
+    engine internals: limits, prompt ids (text, ids, chat), stats, a snapshot."""
+    engine = AsyncEngine(llm.engine)
+    try:
+        assert engine.max_model_len == llm.engine.max_model_len
+        assert engine.prompt_ids([5, 6, 7]) == [5, 6, 7]
+        assert engine.prompt_ids("hello there") == llm.engine.tokenize("hello there")
+        snapshot = engine.snapshot()
+        assert snapshot.free_blocks == snapshot.total_blocks > 0
+        assert snapshot.streams == 0 and not snapshot.unfinished
+        assert snapshot.engine_restarts == 0
+        assert engine.stats()["engine_restarts"] == 0
+        engine.evict_adapter("/nonexistent", None)
+    finally:
+        engine.shutdown()

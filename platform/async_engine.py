@@ -116,9 +116,9 @@ class _Coalescing:
     ceil(outputs / messages_per_step), staggered across requests so each step sends
     about `messages_per_step` messages; its first output and its last always go out at
     once. With at most `messages_per_step` requests running (a single stream included)
-    every output goes out. Outputs are cumulative, so one held back is contained in the next: no token
-    is lost or repeated, and time per output token is unchanged; only the events of a
-    busy stream carry several tokens each. 0 turns it off."""
+    every output goes out. Outputs are cumulative, so one held back is contained in the
+    next: no token is lost or repeated, and time per output token is unchanged; only the
+    events of a busy stream carry several tokens each. 0 turns it off."""
 
     def __init__(self, messages_per_step: int, offset: int) -> None:
         self.messages_per_step = messages_per_step
@@ -270,10 +270,6 @@ class AsyncEngine:
             self.engine.check_health()
         except RuntimeError as exc:
             raise EngineDeadError(str(exc)) from exc
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stops the loop, first letting in-flight requests finish for up to the timeout."""

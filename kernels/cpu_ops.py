@@ -33,7 +33,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """The CPU model and feature flags (what -march=native compiles for)."""
     fields: dict[str, str] = {}
     try:
@@ -51,7 +51,7 @@ def build_name() -> str:
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
         digest.update(part)
-    digest.update(_cpu_identity().encode())
+    digest.update(cpu_identity().encode())
     return f"loraplex_cpu_ops_{digest.hexdigest()[:16]}"
 
 

@@ -33,7 +33,9 @@ import torch
 from tqdm.auto import tqdm
 
 from loraplex.adapters.peft_format import SUPPORTED_MODULES
-from loraplex.platform.config import parse_dtype
+from loraplex.platform.ceiling import Ceiling, FixedWorkload, measure_ceiling
+from loraplex.platform.config import parse_dtype_option
+from loraplex.platform.gemm_probe import candidate_dtypes, dtype_name
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.request import SamplingParams
 
@@ -83,6 +85,18 @@ class RunResult:
         return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else float("inf")
 
 
+def cpu_model() -> str:
+    """/proc/cpuinfo's first 'model name' (the CPU kind a figure was taken on), or what
+    `platform` knows where there is no such file."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 @dataclass(frozen=True)
 class MachineInfo:
     cpu_count: int
@@ -98,7 +112,7 @@ class MachineInfo:
             usable_cores=len(os.sched_getaffinity(0)),
             torch_threads=torch.get_num_threads(),
             torch_version=torch.__version__,
-            processor=platform.processor() or platform.machine(),
+            processor=cpu_model(),
         )
 
 
@@ -126,6 +140,14 @@ class BenchReport:
     load_after: str = ""
     results: list[RunResult] = field(default_factory=list)
     lora: LoRABenchSetup | None = None
+    ceilings: list[Ceiling] = field(default_factory=list)
+    """With `ceiling`: the engine's dtype first, then the other dtypes this CPU runs."""
+
+    def ceiling_share(self) -> float | None:
+        """The engine's tok/s over its own dtype's ceiling (None without a ceiling)."""
+        if not self.ceilings or not self.results:
+            return None
+        return self.ceilings[0].share(self.results[0].tokens_per_s)
 
     def ratios(self) -> dict[str, float]:
         """Throughput ratios between the runs present: 'ours/hf' for the base-only bench,
@@ -423,27 +445,34 @@ def run_offline_bench(
     lora_rank: int = 8,
     lora_targets: str | Sequence[str] = SUPPORTED_MODULES,
     use_tqdm: bool = True,
+    ceiling: bool = False,
 ) -> BenchReport:
     """Builds the workload, runs our engine and optionally the HF baseline.
 
     `hf_batch_size` None means `default_hf_batch_size(adapters)`. With `adapters` > 0 the
     engine runs twice (base, then the requests spread over the adapters) and the baseline
     is HF + PEFT; see the module docstring. `engine_options` may override the LoRA
-    options the bench picks (max_loras = max(adapters, 1), max_lora_rank = lora_rank)."""
+    options the bench picks (max_loras = max(adapters, 1), max_lora_rank = lora_rank).
+    `dtype` may be 'auto' (the engine's choice; the HF baseline runs in the same one).
+    `ceiling` (base model only) probes this machine's GEMM rates after the engine run
+    and reports the throughput they allow for the workload (platform/ceiling.py) in the
+    engine's dtype and every other one this CPU runs natively."""
     if baseline not in (None, "hf"):
         raise ValueError(f"unknown baseline {baseline!r}; the only one is 'hf'")
     if adapters < 0:
         raise ValueError(f"adapters must be >= 0, got {adapters}")
     if lora_rank < 1:
         raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
+    if ceiling and adapters:
+        raise ValueError("the ceiling is measured for the base model; run it without adapters")
     targets = parse_lora_targets(lora_targets)
     if hf_batch_size is None:
         hf_batch_size = default_hf_batch_size(adapters)
-    torch_dtype = parse_dtype(dtype)
+    dtype_option = parse_dtype_option(dtype)
     folder = resolve_model_folder(model)
     report = BenchReport(
         model=model,
-        dtype=str(torch_dtype).removeprefix("torch."),
+        dtype=str(dtype_option),
         workload=Workload([], output_len),
         machine=MachineInfo.collect(),
         load_before=read_loadavg(),
@@ -452,7 +481,7 @@ def run_offline_bench(
         _run_lora_bench(
             report,
             folder,
-            torch_dtype,
+            dtype_option,
             (num_requests, prompt_len, output_len),
             baseline,
             hf_batch_size,
@@ -467,14 +496,25 @@ def run_offline_bench(
         return report
     from loraplex.platform.llm import LLM
 
-    llm = LLM(model=str(folder), dtype=torch_dtype, seed=seed, **(engine_options or {}))
+    llm = LLM(model=str(folder), dtype=dtype_option, seed=seed, **(engine_options or {}))
+    torch_dtype = llm.engine.config.model.dtype
+    report.dtype = dtype_name(torch_dtype)
     pool = normal_token_ids(llm.tokenizer, model_vocab_size(folder))
     report.workload = build_workload(pool, num_requests, prompt_len, output_len, seed)
-    budget = llm.engine.config.scheduler.max_num_batched_tokens
-    count = warmup_request_count(budget, prompt_len, num_requests)
+    scheduler = llm.engine.config.scheduler
+    count = warmup_request_count(scheduler.max_num_batched_tokens, prompt_len, num_requests)
     warmup = build_workload(pool, count, prompt_len, output_len, seed + 1)
     report.results.append(run_engine(llm, report.workload, use_tqdm, warmup_prompts=warmup.prompts))
+    arch, device = llm.engine.arch, llm.engine.device
     del llm
+    gc.collect()
+    if ceiling:
+        fixed = FixedWorkload(num_requests, prompt_len, output_len)
+        others = [d for d in candidate_dtypes(device) if d != torch_dtype]
+        report.ceilings = [
+            measure_ceiling(arch, d, fixed, scheduler, use_cache=False)
+            for d in tqdm([torch_dtype, *others], disable=not use_tqdm, desc="GEMM probe")
+        ]
     if baseline == "hf":
         report.results.append(run_hf(folder, report.workload, torch_dtype, hf_batch_size, use_tqdm))
     report.load_after = read_loadavg()
@@ -484,7 +524,7 @@ def run_offline_bench(
 def _run_lora_bench(
     report: BenchReport,
     folder: Path,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     shape: tuple[int, int, int],
     baseline: str | None,
     hf_batch_size: int,
@@ -511,6 +551,8 @@ def _run_lora_bench(
         )
         gc.collect()
         llm = LLM(model=str(folder), dtype=dtype, seed=seed, **engine_options)
+        dtype = llm.engine.config.model.dtype
+        report.dtype = dtype_name(dtype)
         for name, adapter_folder in adapter_folders.items():
             llm.register_adapter(name, str(adapter_folder))
             llm.engine.load_adapter(name)  # disk -> host memory, before any timing
@@ -600,5 +642,16 @@ def format_report(report: BenchReport) -> str:
     for label, ratio in report.ratios().items():
         target = f" (target >= {targets[label]:g}x)" if label in targets else ""
         lines.append(f"ratio {label}: {ratio:.2f}x{target}")
+    if report.ceilings:
+        first = report.ceilings[0]
+        lines.append(
+            f"ceiling: the workload's projections alone at this machine's GEMM rates "
+            f"({first.num_threads} threads, {first.num_steps} steps; attention, norms and "
+            "sampling count as free)"
+        )
+        for index, found in enumerate(report.ceilings):
+            mark = " (engine dtype)" if index == 0 else ""
+            lines.append(f"  {found.dtype:>9}: {found.tokens_per_s:.1f} tokens/s{mark}")
+        lines.append(f"engine share of its ceiling: {report.ceiling_share():.2f} (target >= 0.85)")
     lines.append(f"loadavg after: {report.load_after}")
     return "\n".join(lines) + "\n"

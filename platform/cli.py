@@ -18,7 +18,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         help=f"registered model name or local HF folder (default: {DEFAULT_MODEL})",
     )
     parser.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype"
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights dtype (auto: the fastest on this machine, probed once and cached)",
     )
     parser.add_argument("--seed", type=int, default=0, help="engine / workload seed")
 
@@ -80,6 +83,12 @@ def build_parser(bench_commands: Sequence[BenchCommand] = ()) -> argparse.Argume
     )
     offline.add_argument(
         "--max-loras", type=int, default=None, help="engine adapter slots (default: max(N, 1))"
+    )
+    offline.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also probe this machine's GEMM rates and print the throughput they allow "
+        "for the workload (per dtype) and the engine's share of it",
     )
     offline.set_defaults(handler=run_bench_offline)
     for add_command in bench_commands:
@@ -157,6 +166,7 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         adapters=args.adapters,
         lora_rank=args.lora_rank,
         lora_targets=args.lora_targets,
+        ceiling=args.ceiling,
     )
     sys.stdout.write(bench.format_report(report))
     return 0

@@ -21,6 +21,10 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+AUTO_DTYPE = "auto"
+"""The dtype option that lets the engine choose (platform/ceiling.py `choose_dtype`)."""
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Maps 'float32' / 'bf16' / torch.dtype to a torch.dtype; rejects anything else."""
     if isinstance(dtype, torch.dtype):
@@ -35,12 +39,22 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+def parse_dtype_option(dtype: str | torch.dtype) -> torch.dtype | str:
+    """As `parse_dtype`, and 'auto' stays 'auto' (resolved when the engine is built)."""
+    if isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE:
+        return AUTO_DTYPE
+    return parse_dtype(dtype)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to run and how.
 
     `model` is a registered name (e.g. 'smollm2-135m-instruct') or a local folder in
     Hugging Face layout (config.json + *.safetensors + tokenizer files).
+    `dtype` is a torch dtype or 'auto': bf16 on a GPU, on a CPU the dtype whose matmuls
+    run the model fastest here (probed once per machine on the engine's compute thread,
+    then cached; platform/ceiling.py). The engine's own config holds the resolved dtype.
     `max_model_len` caps prompt + generated tokens; None means the model's own
     `max_position_embeddings`. `num_threads` is torch's intra-op thread count on a CPU;
     None means every core this process may run on. (Ray sets OMP_NUM_THREADS to an
@@ -49,13 +63,15 @@ class ModelConfig:
     """
 
     model: str = "smollm2-135m-instruct"
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | str = AUTO_DTYPE
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype) and self.dtype != AUTO_DTYPE:
+            raise ValueError(f"dtype must be a torch dtype or {AUTO_DTYPE!r}, got {self.dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
@@ -178,7 +194,7 @@ class EngineConfig:
         cls,
         model: str = "smollm2-135m-instruct",
         *,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = AUTO_DTYPE,
         device: str = "cpu",
         max_model_len: int | None = None,
         seed: int = 0,
@@ -204,7 +220,7 @@ class EngineConfig:
         return cls(
             model=ModelConfig(
                 model=model,
-                dtype=parse_dtype(dtype),
+                dtype=parse_dtype_option(dtype),
                 device=device,
                 max_model_len=max_model_len,
                 seed=seed,

@@ -7,6 +7,7 @@ request and every cached block and slot so the same engine can go on (async_engi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -19,8 +20,9 @@ from loraplex.adapters.slots import LoRASlots
 from loraplex.adapters.store import AdapterStore
 from loraplex.kernels.selection import kernel_backend
 from loraplex.platform.block_pool import BlockPool
+from loraplex.platform.ceiling import choose_dtype
 from loraplex.platform.compute_threads import default_compute_threads, use_compute_threads
-from loraplex.platform.config import CacheConfig, EngineConfig
+from loraplex.platform.config import AUTO_DTYPE, CacheConfig, EngineConfig
 from loraplex.platform.cpu_allocator import keep_freed_memory
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.kv_cache_manager import KVCacheManager
@@ -81,6 +83,15 @@ def plan_num_blocks(
     return num_blocks
 
 
+def resolve_auto_dtype(config: EngineConfig, arch: ModelArch, device: torch.device) -> EngineConfig:
+    """`config` with dtype 'auto' replaced by the dtype `choose_dtype` picks for this
+    model and machine (on the calling thread, the engine's compute thread)."""
+    if config.model.dtype != AUTO_DTYPE:
+        return config
+    dtype = choose_dtype(arch, device, config.scheduler)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -97,6 +108,8 @@ class LLMEngine:
         self.kernel_backend = kernel_backend(self.device)
         arch = ModelArch.from_folder(folder)
         self.arch = arch
+        config = resolve_auto_dtype(config, arch, self.device)
+        self.config = config
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             logger.warning(

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loraplex.deployments.bench.client import RequestRecord
-from loraplex.platform.bench import read_loadavg
+from loraplex.platform.bench import cpu_model, read_loadavg
 
 PERCENTILES = (50, 90, 99)
 
@@ -117,17 +117,6 @@ def summarize(name: str, records: Sequence[RequestRecord]) -> BurstSummary:
         itl=Distribution.of([gap for r in ok for gap in r.itl_s]),
         e2e=Distribution.of([r.e2e_s for r in ok]),
     )
-
-
-def cpu_model() -> str:
-    """/proc/cpuinfo's first 'model name' (the CPU kind a figure was taken on)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 @dataclass

@@ -63,7 +63,13 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
     }
     adapter_root = tmp_path_factory.mktemp("tenant-adapters")
     os.environ[GLOBEX_KEY_ENV] = KEYS["globex"]
-    engine = {"max_model_len": 128, "max_num_seqs": 16, "max_loras": 4, "max_lora_rank": 8}
+    engine = {
+        "dtype": "float32",
+        "max_model_len": 128,
+        "max_num_seqs": 16,
+        "max_loras": 4,
+        "max_lora_rank": 8,
+    }
     config = {
         "adapter_root": str(adapter_root),
         "models": [
@@ -79,7 +85,7 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
             {
                 "name": "tiny-qwen",
                 "model": str(tiny_model_factory("qwen2")),
-                "engine": {"max_model_len": 1024, "max_loras": 0},
+                "engine": {"dtype": "float32", "max_model_len": 1024, "max_loras": 0},
                 "server": {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1},
             },
         ],

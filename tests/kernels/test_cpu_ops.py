@@ -157,7 +157,7 @@ def test_cpu_layer_kernels_are_the_default_on_cpu(monkeypatch):
 def test_build_name_tracks_source_and_cpu(monkeypatch):
     name = cpu_ops.build_name()
     assert name.startswith("loraplex_cpu_ops_")
-    monkeypatch.setattr(cpu_ops, "_cpu_identity", lambda: "another cpu")
+    monkeypatch.setattr(cpu_ops, "cpu_identity", lambda: "another cpu")
     assert cpu_ops.build_name() != name
 
 

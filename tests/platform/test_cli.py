@@ -23,7 +23,7 @@ def test_generate_arguments():
         0.5,
         False,
     )
-    assert (args.model, args.dtype) == (cli.DEFAULT_MODEL, "float32")
+    assert (args.model, args.dtype) == (cli.DEFAULT_MODEL, "auto")
     assert cli.build_parser().parse_args(["generate", "x"]).chat is None
 
 

@@ -1,0 +1,255 @@
+"""How fast this machine runs a model's projections: a GEMM-time probe per dtype.
+
+The engine's time on a CPU is mostly its projections (q/k/v, o, gate/up, down, LM
+head). `probe_gemm_times` times each of them, for one model's shapes, at the row counts
+(tokens per step) a workload runs, in one dtype, with the engine's thread count and
+the faster of the two matmuls the engine could use (MKL's `F.linear` and oneDNN's
+prepacked linear). Per-layer shapes are timed over as many distinct weight copies as
+the model has layers (up to `MAX_COPY_BYTES` per shape), so a decode step streams its
+weights from memory as the real one does instead of finding them in cache.
+
+The times feed two things: the ceiling of `loraplex bench offline --ceiling`
+(`platform/ceiling.py`) and `dtype: auto`, which picks the dtype whose projections
+finish a reference workload first. Probes are cached as JSON under
+`$LORAPLEX_CACHE_DIR/gemm_probe/`, keyed by the CPU model and flags, torch's version,
+the thread count, the dtype and the shapes, like the native kernels' build: a cache
+shared between machines never answers for another CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels.cpu_ops import cpu_identity
+from loraplex.platform.layers.linear import PackedWeight, cpu_lacks_half_matmul
+from loraplex.platform.models.arch import ModelArch
+
+logger = logging.getLogger(__name__)
+
+CPU_DTYPE_CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_COPY_BYTES = 512 * 2**20
+"""Weight copies per probed shape stop at this many bytes (a big model's layers are
+not all allocated again; this is well past any CPU's last-level cache)."""
+STREAMED_ROWS = 256
+"""Up to this many rows a projection's time depends on streaming its weight from memory
+(decode batches); above it the product is compute-bound (prefill chunks)."""
+MIN_TIMED_S = 0.05
+"""Each (shape, rows) measurement repeats passes over its copies for at least this long
+in each of REPEATS windows (a quick probe, as `dtype: auto` runs, uses less)."""
+REPEATS = 3
+"""Timed windows per measurement; the fastest counts (the others met other load)."""
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One projection of the model: y [M, out] = x [M, in] @ W.T, run `count` times a
+    forward (once per layer, or once for the LM head on the sampled rows)."""
+
+    name: str
+    out_features: int
+    in_features: int
+    count: int
+
+    @property
+    def per_layer(self) -> bool:
+        return self.name != "lm_head"
+
+
+def model_projections(arch: ModelArch) -> tuple[Projection, ...]:
+    """The projections one forward runs, fused as the engine fuses them (q/k/v and
+    gate/up are one matmul each on a CPU)."""
+    qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    layers = arch.num_layers
+    return (
+        Projection("qkv", qkv_out, arch.hidden_size, layers),
+        Projection("o", arch.hidden_size, arch.num_heads * arch.head_dim, layers),
+        Projection("gate_up", 2 * arch.intermediate_size, arch.hidden_size, layers),
+        Projection("down", arch.hidden_size, arch.intermediate_size, layers),
+        Projection("lm_head", arch.vocab_size, arch.hidden_size, 1),
+    )
+
+
+def candidate_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    """The dtypes worth probing on this CPU: fp32, and bf16 / fp16 where the CPU has a
+    native matmul for them (an emulated one is ~5x slower than fp32)."""
+    if device.type != "cpu":
+        raise ValueError("the GEMM probe runs on a CPU")
+    return tuple(d for d in CPU_DTYPE_CANDIDATES if not cpu_lacks_half_matmul(d))
+
+
+@dataclass(frozen=True)
+class GemmTimes:
+    """Seconds one call of each projection takes at each probed row count, plus which
+    matmul was faster there ('mkl' or 'onednn')."""
+
+    dtype: str
+    num_threads: int
+    seconds: dict[str, dict[int, float]]
+    backend: dict[str, dict[int, str]]
+
+    def time(self, projection: str, rows: int) -> float:
+        return self.seconds[projection][rows]
+
+    def to_json(self) -> dict:
+        return {
+            "dtype": self.dtype,
+            "num_threads": self.num_threads,
+            "seconds": {p: {str(m): s for m, s in t.items()} for p, t in self.seconds.items()},
+            "backend": {p: {str(m): b for m, b in t.items()} for p, t in self.backend.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> GemmTimes:
+        return cls(
+            dtype=data["dtype"],
+            num_threads=int(data["num_threads"]),
+            seconds={
+                p: {int(m): float(s) for m, s in t.items()} for p, t in data["seconds"].items()
+            },
+            backend={p: {int(m): str(b) for m, b in t.items()} for p, t in data["backend"].items()},
+        )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _fastest_window(run_pass, calls_per_pass: int, min_timed_s: float) -> float:
+    """Seconds per call: passes repeat for `min_timed_s`, the fastest of REPEATS windows."""
+    run_pass()
+    best = float("inf")
+    for _ in range(REPEATS):
+        passes = 0
+        started = time.perf_counter()
+        while True:
+            run_pass()
+            passes += 1
+            elapsed = time.perf_counter() - started
+            if elapsed >= min_timed_s and passes >= 2:
+                break
+        best = min(best, elapsed / (passes * calls_per_pass))
+    return best
+
+
+def _time_projection(
+    projection: Projection, rows: int, dtype: torch.dtype, copies: int, min_timed_s: float
+) -> tuple[float, str]:
+    generator = torch.Generator().manual_seed(rows * 7919 + projection.out_features)
+    shape = (projection.out_features, projection.in_features)
+    weights = [(torch.randn(shape, generator=generator) * 0.02).to(dtype) for _ in range(copies)]
+    x = torch.randn(rows, projection.in_features, generator=generator).to(dtype)
+    results: dict[str, float] = {}
+    with torch.inference_mode():
+
+        def mkl_pass() -> None:
+            for weight in weights:
+                F.linear(x, weight)
+
+        results["mkl"] = _fastest_window(mkl_pass, copies, min_timed_s)
+        packed = [PackedWeight.maybe(weight) for weight in weights]
+        if all(p is not None for p in packed):
+
+            def onednn_pass() -> None:
+                for weight in packed:
+                    weight(x, None)
+
+            results["onednn"] = _fastest_window(onednn_pass, copies, min_timed_s)
+    backend = min(results, key=results.__getitem__)
+    return results[backend], backend
+
+
+def _copies(projection: Projection, rows: int, dtype: torch.dtype) -> int:
+    """Distinct weights to cycle through: the model's count (capped by MAX_COPY_BYTES)
+    where reading the weight matters (up to STREAMED_ROWS rows), two where the product
+    is compute-bound."""
+    if not projection.per_layer:
+        return 1
+    if rows > STREAMED_ROWS:
+        return min(2, projection.count)
+    nbytes = projection.out_features * projection.in_features * dtype.itemsize
+    return max(1, min(projection.count, MAX_COPY_BYTES // nbytes))
+
+
+def cache_key(
+    projections: Iterable[Projection],
+    rows: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    min_timed_s: float,
+) -> str:
+    digest = hashlib.sha256()
+    parts = [
+        cpu_identity(),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        dtype_name(dtype),
+        repr(sorted((p.name, p.out_features, p.in_features, p.count) for p in projections)),
+        repr(sorted(rows.items())),
+        repr(min_timed_s),
+    ]
+    for part in parts:
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:20]
+
+
+def probe_cache_dir() -> Path:
+    from loraplex.platform.model_files import cache_base
+
+    return cache_base() / "gemm_probe"
+
+
+def probe_gemm_times(
+    projections: tuple[Projection, ...],
+    rows: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    *,
+    min_timed_s: float | None = None,
+    use_cache: bool = True,
+) -> GemmTimes:
+    """Times every projection at its row counts (`rows[name]`) in `dtype` with torch's
+    current thread count, on the calling thread (the engine's compute thread: a probe
+    on another thread would open a second OpenMP pool, see compute_threads.py).
+
+    Semantics: result.time(name, m) = seconds for one y = x @ W.T with x [m, in] and W
+    [out, in] in `dtype`, W not in cache unless the model's weights for that shape fit
+    in it. `min_timed_s` None means MIN_TIMED_S. Reads and writes the cache unless
+    `use_cache` is False."""
+    min_timed_s = MIN_TIMED_S if min_timed_s is None else min_timed_s
+    path = probe_cache_dir() / f"{cache_key(projections, rows, dtype, min_timed_s)}.json"
+    if use_cache and path.is_file():
+        try:
+            return GemmTimes.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            logger.warning("ignoring unreadable GEMM probe cache %s", path)
+    started = time.monotonic()
+    seconds: dict[str, dict[int, float]] = {}
+    backend: dict[str, dict[int, str]] = {}
+    for projection in projections:
+        for m in rows[projection.name]:
+            copies = _copies(projection, m, dtype)
+            t, which = _time_projection(projection, m, dtype, copies, min_timed_s)
+            seconds.setdefault(projection.name, {})[m] = t
+            backend.setdefault(projection.name, {})[m] = which
+    times = GemmTimes(dtype_name(dtype), torch.get_num_threads(), seconds, backend)
+    logger.info(
+        "GEMM probe %s on %d threads: %d shapes in %.1fs",
+        times.dtype,
+        times.num_threads,
+        sum(len(r) for r in rows.values()),
+        time.monotonic() - started,
+    )
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(times.to_json(), indent=1))
+        tmp.replace(path)
+    return times

@@ -4,9 +4,10 @@ The engine's time on a CPU is mostly its projections (q/k/v, o, gate/up, down, L
 head). `probe_gemm_times` times each of them, for one model's shapes, at the row counts
 (tokens per step) a workload runs, in one dtype, with the engine's thread count and
 the faster of the two matmuls the engine could use (MKL's `F.linear` and oneDNN's
-prepacked linear). Per-layer shapes are timed over as many distinct weight copies as
-the model has layers (up to `MAX_COPY_BYTES` per shape), so a decode step streams its
-weights from memory as the real one does instead of finding them in cache.
+prepacked linear). Decode-sized row counts are timed in the model's order over a
+distinct weight per layer (and the LM head), so each call reads its weight from where a
+real step finds it: on the 2-core dev VM (260 MiB L3) a shape timed alone over its 30
+layer copies stayed in cache and ran faster than inside the model's pass.
 
 The times feed two things: the ceiling of `loraplex bench offline --ceiling`
 (`platform/ceiling.py`) and `dtype: auto`, which picks the dtype whose projections
@@ -18,11 +19,12 @@ shared between machines never answers for another CPU.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +38,13 @@ from loraplex.platform.models.arch import ModelArch
 logger = logging.getLogger(__name__)
 
 CPU_DTYPE_CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_COPY_BYTES = 512 * 2**20
-"""Weight copies per probed shape stop at this many bytes (a big model's layers are
-not all allocated again; this is well past any CPU's last-level cache)."""
+MAX_CHAIN_BYTES = 2 * 2**30
+"""The streamed chain holds at most this many bytes of layer weights (a big model's
+layers are not all allocated again; this is far past any CPU's last-level cache)."""
 STREAMED_ROWS = 256
-"""Up to this many rows a projection's time depends on streaming its weight from memory
-(decode batches); above it the product is compute-bound (prefill chunks)."""
+"""Up to this many rows a projection's time depends on where its weight is read from
+(decode batches), so it is timed in the model's order over every layer's weights;
+above it the product is compute-bound (prefill chunks) and timed alone."""
 MIN_TIMED_S = 0.05
 """Each (shape, rows) measurement repeats passes over its copies for at least this long
 in each of REPEATS windows (a quick probe, as `dtype: auto` runs, uses less)."""
@@ -140,43 +143,100 @@ def _fastest_window(run_pass, calls_per_pass: int, min_timed_s: float) -> float:
     return best
 
 
-def _time_projection(
-    projection: Projection, rows: int, dtype: torch.dtype, copies: int, min_timed_s: float
-) -> tuple[float, str]:
-    generator = torch.Generator().manual_seed(rows * 7919 + projection.out_features)
+def _weights(projection: Projection, dtype: torch.dtype, copies: int) -> list[torch.Tensor]:
+    """`copies` distinct weights of the projection's shape (one random draw, copied)."""
+    generator = torch.Generator().manual_seed(projection.out_features * 7919 + copies)
     shape = (projection.out_features, projection.in_features)
-    weights = [(torch.randn(shape, generator=generator) * 0.02).to(dtype) for _ in range(copies)]
-    x = torch.randn(rows, projection.in_features, generator=generator).to(dtype)
+    base = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+    return [base] + [base.clone() for _ in range(copies - 1)]
+
+
+def _backends(weights: list[torch.Tensor]) -> dict[str, list[Callable[[torch.Tensor], object]]]:
+    """The matmuls to compare: MKL's F.linear, and oneDNN's prepacked linear where the
+    weights can be packed; each call maps x -> x @ W.T."""
+    found: dict[str, list[Callable[[torch.Tensor], object]]] = {
+        "mkl": [functools.partial(_mkl_linear, weight=w) for w in weights]
+    }
+    packed = [PackedWeight.maybe(weight) for weight in weights]
+    if all(p is not None for p in packed):
+        found["onednn"] = [functools.partial(_onednn_linear, weight=p) for p in packed]
+    return found
+
+
+def _mkl_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def _onednn_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    return weight(x, None)
+
+
+def _time_compute_bound(
+    projection: Projection, rows: int, dtype: torch.dtype, min_timed_s: float
+) -> tuple[float, str]:
+    """One projection alone over two weight copies (its weights' reads do not matter)."""
+    copies = min(2, projection.count)
+    weights = _weights(projection, dtype, copies)
+    x = torch.randn(rows, projection.in_features).to(dtype)
     results: dict[str, float] = {}
-    with torch.inference_mode():
+    for name, calls in _backends(weights).items():
 
-        def mkl_pass() -> None:
-            for weight in weights:
-                F.linear(x, weight)
+        def run_pass(calls=calls) -> None:
+            for call in calls:
+                call(x)
 
-        results["mkl"] = _fastest_window(mkl_pass, copies, min_timed_s)
-        packed = [PackedWeight.maybe(weight) for weight in weights]
-        if all(p is not None for p in packed):
-
-            def onednn_pass() -> None:
-                for weight in packed:
-                    weight(x, None)
-
-            results["onednn"] = _fastest_window(onednn_pass, copies, min_timed_s)
+        results[name] = _fastest_window(run_pass, copies, min_timed_s)
     backend = min(results, key=results.__getitem__)
     return results[backend], backend
 
 
-def _copies(projection: Projection, rows: int, dtype: torch.dtype) -> int:
-    """Distinct weights to cycle through: the model's count (capped by MAX_COPY_BYTES)
-    where reading the weight matters (up to STREAMED_ROWS rows), two where the product
-    is compute-bound."""
-    if not projection.per_layer:
-        return 1
-    if rows > STREAMED_ROWS:
-        return min(2, projection.count)
-    nbytes = projection.out_features * projection.in_features * dtype.itemsize
-    return max(1, min(projection.count, MAX_COPY_BYTES // nbytes))
+def chain_layers(projections: tuple[Projection, ...], dtype: torch.dtype) -> int:
+    """Layers the streamed chain holds: the model's, up to MAX_CHAIN_BYTES of weights."""
+    per_layer = [p for p in projections if p.per_layer]
+    if not per_layer:
+        return 0
+    layer_bytes = sum(p.out_features * p.in_features for p in per_layer) * dtype.itemsize
+    return max(1, min(per_layer[0].count, MAX_CHAIN_BYTES // layer_bytes))
+
+
+def _time_streamed(
+    projections: tuple[Projection, ...], rows: int, dtype: torch.dtype, min_timed_s: float
+) -> dict[str, tuple[float, str]]:
+    """Every projection at `rows`, called in the model's order (layer by layer, then the
+    LM head) over distinct per-layer weights, so each call reads its weight from where a
+    real step finds it. Returns name -> (seconds per call, faster backend), from each
+    backend's fastest full pass."""
+    layers = chain_layers(projections, dtype)
+    counts = {p.name: (layers if p.per_layer else 1) for p in projections}
+    inputs = {p.name: torch.randn(rows, p.in_features).to(dtype) for p in projections}
+    options = {p.name: _backends(_weights(p, dtype, counts[p.name])) for p in projections}
+    order = [(p.name, layer) for layer in range(layers) for p in projections if p.per_layer]
+    order += [(p.name, 0) for p in projections if not p.per_layer]
+    best: dict[str, tuple[float, str]] = {}
+    for backend in set.intersection(*(set(found) for found in options.values())):
+        calls = [(name, options[name][backend][index], inputs[name]) for name, index in order]
+
+        def run_pass(calls=calls) -> dict[str, float]:
+            spent = dict.fromkeys(counts, 0.0)
+            for name, call, x in calls:
+                started = time.perf_counter()
+                call(x)
+                spent[name] += time.perf_counter() - started
+            return spent
+
+        run_pass()
+        fastest = run_pass()
+        passes, deadline = 1, time.perf_counter() + min_timed_s * REPEATS
+        while passes < REPEATS or time.perf_counter() < deadline:
+            spent = run_pass()
+            passes += 1
+            if sum(spent.values()) < sum(fastest.values()):
+                fastest = spent
+        for name, total in fastest.items():
+            per_call = total / counts[name]
+            if name not in best or per_call < best[name][0]:
+                best[name] = (per_call, backend)
+    return best
 
 
 def cache_key(
@@ -220,8 +280,8 @@ def probe_gemm_times(
     on another thread would open a second OpenMP pool, see compute_threads.py).
 
     Semantics: result.time(name, m) = seconds for one y = x @ W.T with x [m, in] and W
-    [out, in] in `dtype`, W not in cache unless the model's weights for that shape fit
-    in it. `min_timed_s` None means MIN_TIMED_S. Reads and writes the cache unless
+    [out, in] in `dtype`; for m <= STREAMED_ROWS measured among every layer's weights in
+    the model's order (W is in cache only where the whole model's weights fit). `min_timed_s` None means MIN_TIMED_S. Reads and writes the cache unless
     `use_cache` is False."""
     min_timed_s = MIN_TIMED_S if min_timed_s is None else min_timed_s
     path = probe_cache_dir() / f"{cache_key(projections, rows, dtype, min_timed_s)}.json"
@@ -233,12 +293,17 @@ def probe_gemm_times(
     started = time.monotonic()
     seconds: dict[str, dict[int, float]] = {}
     backend: dict[str, dict[int, str]] = {}
+    for m in sorted({m for counts in rows.values() for m in counts if m <= STREAMED_ROWS}):
+        for name, (t, which) in _time_streamed(projections, m, dtype, min_timed_s).items():
+            if m in rows[name]:
+                seconds.setdefault(name, {})[m] = t
+                backend.setdefault(name, {})[m] = which
     for projection in projections:
         for m in rows[projection.name]:
-            copies = _copies(projection, m, dtype)
-            t, which = _time_projection(projection, m, dtype, copies, min_timed_s)
-            seconds.setdefault(projection.name, {})[m] = t
-            backend.setdefault(projection.name, {})[m] = which
+            if m > STREAMED_ROWS:
+                t, which = _time_compute_bound(projection, m, dtype, min_timed_s)
+                seconds.setdefault(projection.name, {})[m] = t
+                backend.setdefault(projection.name, {})[m] = which
     times = GemmTimes(dtype_name(dtype), torch.get_num_threads(), seconds, backend)
     logger.info(
         "GEMM probe %s on %d threads: %d shapes in %.1fs",

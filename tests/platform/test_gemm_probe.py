@@ -17,7 +17,7 @@ TINY_PROJECTIONS = (
     Projection("o", 16, 16, 2),
     Projection("lm_head", 40, 16, 1),
 )
-ROWS = {"qkv": (1, 8), "o": (1, 8), "lm_head": (1,)}
+ROWS = {"qkv": (1, 8, 300), "o": (1, 8), "lm_head": (1,)}
 
 
 @pytest.fixture
@@ -61,12 +61,15 @@ def test_probe_is_cached_per_dtype_and_read_back(quick_probe, monkeypatch):
     def no_timing(*args):
         raise AssertionError("a cached probe must not time anything")
 
-    monkeypatch.setattr(gemm_probe, "_time_projection", no_timing)
+    monkeypatch.setattr(gemm_probe, "_time_streamed", no_timing)
+    monkeypatch.setattr(gemm_probe, "_time_compute_bound", no_timing)
     assert probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32) == first
     with pytest.raises(AssertionError, match="cached probe"):
         probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, use_cache=False)
     with pytest.raises(AssertionError, match="cached probe"):
         probe_gemm_times(TINY_PROJECTIONS, {**ROWS, "o": (1, 8, 9)}, torch.float32)
+    with pytest.raises(AssertionError, match="cached probe"):
+        probe_gemm_times(TINY_PROJECTIONS, {**ROWS, "qkv": (1, 8, 301)}, torch.float32)
 
 
 def test_an_unreadable_cache_file_is_probed_again(quick_probe):
@@ -78,10 +81,12 @@ def test_an_unreadable_cache_file_is_probed_again(quick_probe):
     assert json.loads(cached.read_text())["dtype"] == "float32"
 
 
-def test_decode_rows_stream_distinct_weights_and_prefill_rows_do_not():
-    layer = Projection("gate_up", 3072, 576, 30)
-    assert gemm_probe._copies(layer, 64, torch.float32) == 30
-    assert gemm_probe._copies(layer, 2048, torch.float32) == 2
-    huge = Projection("gate_up", 28672, 8192, 80)
-    assert gemm_probe._copies(huge, 64, torch.float32) == 1
-    assert gemm_probe._copies(Projection("lm_head", 49152, 576, 1), 64, torch.float32) == 1
+def test_the_streamed_chain_holds_every_layer_up_to_its_byte_cap():
+    small = (Projection("gate_up", 3072, 576, 30), Projection("lm_head", 49152, 576, 1))
+    assert gemm_probe.chain_layers(small, torch.float32) == 30
+    huge = (Projection("gate_up", 28672, 8192, 80), Projection("down", 8192, 14336, 80))
+    layer_bytes = (28672 * 8192 + 8192 * 14336) * 4
+    assert gemm_probe.chain_layers(huge, torch.float32) == max(
+        1, gemm_probe.MAX_CHAIN_BYTES // layer_bytes
+    )
+    assert gemm_probe.chain_layers(huge, torch.float32) < 80

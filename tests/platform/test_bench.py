@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from loraplex.platform import bench, cli
 
@@ -95,9 +96,7 @@ def test_hf_peft_groups_by_adapter(tiny_model_factory, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "hf_generate_batch", spy)
     request_adapters = bench.spread_over(["a", "b"], 5)
     assert request_adapters == ["a", "b", "a", "b", "a"]
-    result = bench.run_hf_peft(
-        folder, workload, bench.parse_dtype("float32"), folders, request_adapters, 2, False
-    )
+    result = bench.run_hf_peft(folder, workload, torch.float32, folders, request_adapters, 2, False)
     assert result.name == "hf+peft" and result.output_tokens == 15
     # warm-up on the first adapter, then a's 3 requests in batches of 2, then b's 2
     assert calls == [("a", 2), ("a", 2), ("a", 1), ("b", 2)]

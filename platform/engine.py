@@ -94,7 +94,6 @@ def resolve_auto_dtype(config: EngineConfig, arch: ModelArch, device: torch.devi
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         started = time.monotonic()
         folder = resolve_model_folder(config.model.model)
         self.tokenizer = load_tokenizer(folder)
@@ -110,6 +109,7 @@ class LLMEngine:
         self.arch = arch
         config = resolve_auto_dtype(config, arch, self.device)
         self.config = config
+        """The engine's options with dtype resolved ('auto' never stays)."""
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             logger.warning(

@@ -42,12 +42,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from loraplex.adapters import safe_files
-from loraplex.platform.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +176,19 @@ def _rebuild_adapter(
     return LoRAAdapter(name, path, key, MappingProxyType(modules))
 
 
-def expected_lora_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
+class BaseModelShape(Protocol):
+    """The base model's sizes an adapter is checked against (the platform's
+    `ModelArch` has them)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def expected_lora_shapes(arch: BaseModelShape) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each supported base projection."""
     q_out = arch.num_heads * arch.head_dim
     kv_out = arch.num_kv_heads * arch.head_dim
@@ -194,7 +205,7 @@ def expected_lora_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
 
 def load_peft_adapter(
     path: str | Path,
-    arch: ModelArch,
+    arch: BaseModelShape,
     max_rank: int,
     name: str | None = None,
     root: str | Path | None = None,
@@ -670,7 +681,7 @@ def _read_tensor_data(fd: int, header: _Header, file: Path) -> dict[str, torch.T
 
 
 def _pair_lora_tensors(
-    entries: Mapping[str, _TensorEntry], arch: ModelArch
+    entries: Mapping[str, _TensorEntry], arch: BaseModelShape
 ) -> dict[tuple[int, str], tuple[str, str]]:
     """(layer, module) -> (A tensor name, B tensor name), checking names and shapes."""
     shapes = expected_lora_shapes(arch)

@@ -13,15 +13,34 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from loraplex.adapters.peft_format import LoRAAdapter
-from loraplex.platform.layers.linear import MergedLinear
+from loraplex.kernels.backends import KernelBackend, get_backend
+from loraplex.kernels.lora import LoRAStack
 
 logger = logging.getLogger(__name__)
 
-LoRATargets = dict[tuple[int, str], tuple[MergedLinear, int]]
+
+class LoRAProjection(Protocol):
+    """What the slots need of a projection layer (the platform's `MergedLinear`)."""
+
+    lora: LoRAStack | None
+    output_sizes: tuple[int, ...]
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    def enable_lora(self, max_loras: int, max_rank: int, backend: KernelBackend) -> LoRAStack: ...
+
+    def lora_shard(
+        self, index: int, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+LoRATargets = dict[tuple[int, str], tuple[LoRAProjection, int]]
 """(layer index, PEFT module name) -> (projection, slice index): the model's `lora_targets()`."""
 
 
@@ -34,16 +53,19 @@ class SlotStats:
 
 class LoRASlots:
     def __init__(self, targets: LoRATargets, max_loras: int, max_rank: int, backend: str) -> None:
+        """`backend` names the kernel backend the model was built with (its stacks'
+        layout and LoRA kernels)."""
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1 to allocate slots, got {max_loras}")
         self.targets = targets
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.projections: list[MergedLinear] = list(
+        self.projections: list[LoRAProjection] = list(
             {id(module): module for module, _ in targets.values()}.values()
         )
+        kernels = get_backend(backend)
         for module in self.projections:
-            module.enable_lora(max_loras, max_rank, backend)
+            module.enable_lora(max_loras, max_rank, kernels)
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         """adapter key -> slot, least recently used first."""
         self._adapters: list[LoRAAdapter | None] = [None] * max_loras

@@ -32,13 +32,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplex.adapters.peft_format import AdapterError, LoRAAdapter, load_peft_adapter
-from loraplex.platform.models.arch import ModelArch
+from loraplex.adapters.peft_format import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    AdapterError,
+    BaseModelShape,
+    LoRAAdapter,
+    load_peft_adapter,
+)
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""An adapter name, everywhere (this store, the serve config, the tenant catalog): 1-64
+letters, digits, '.', '_' or '-', the first a letter or digit."""
+ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+"""The files of a PEFT LoRA adapter folder that loraplex reads."""
 
 Loader = Callable[..., LoRAAdapter]
 """(folder, base arch, max rank, name[, root=...]) -> validated adapter;
@@ -59,7 +68,7 @@ class StoreStats:
 def _signature(folder: Path) -> tuple[tuple[int, int], ...]:
     """(size, mtime_ns) of the adapter's files; missing files read as (-1, -1)."""
     stats = []
-    for name in _FILES:
+    for name in ADAPTER_FILES:
         try:
             stat = (folder / name).stat()
             stats.append((stat.st_size, stat.st_mtime_ns))
@@ -71,7 +80,7 @@ def _signature(folder: Path) -> tuple[tuple[int, int], ...]:
 class AdapterStore:
     def __init__(
         self,
-        arch: ModelArch,
+        arch: BaseModelShape,
         max_rank: int,
         max_cpu_loras: int,
         root: str | Path | None = None,
@@ -96,7 +105,7 @@ class AdapterStore:
         if not root.is_dir():
             raise AdapterError(f"adapter_root {root} is not a directory")
         for folder in sorted(root.iterdir()):
-            if (folder / "adapter_config.json").is_file() and ADAPTER_NAME.match(folder.name):
+            if (folder / CONFIG_NAME).is_file() and ADAPTER_NAME.match(folder.name):
                 self.register(folder.name, folder)
         logger.info("registered %d adapter(s) from %s", len(self._registry), root)
 
@@ -104,7 +113,7 @@ class AdapterStore:
         """Names an adapter folder (replacing an earlier registration of the name)."""
         if not ADAPTER_NAME.match(name):
             raise AdapterError(
-                f"adapter name {name!r} must be 1-128 letters, digits, '.', '_' or '-'"
+                f"adapter name {name!r} must be 1-64 letters, digits, '.', '_' or '-'"
             )
         folder = Path(folder).resolve()
         if not folder.is_dir():

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -27,10 +26,11 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from loraplex.adapters.store import ADAPTER_FILES, ADAPTER_NAME
+
 logger = logging.getLogger(__name__)
 
 SHARED = "shared"
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 CATALOG_FILE = ".catalog.json"
 
 
@@ -61,9 +61,6 @@ class AdapterEntry:
     @property
     def public_id(self) -> str:
         return f"{self.base}:{self.name}"
-
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def contained_folder(root: Path, relative: str) -> Path:

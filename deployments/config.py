@@ -1,6 +1,6 @@
 """The platform's configuration (the `args` of serve_config.yaml), parsed once.
 
-Engine options are the keywords of `EngineConfig.create`; they are validated here, at
+Engine options are those of `EngineConfig.from_options`; they are validated here, at
 deploy time, so a typo fails `serve run` instead of a replica. Relative paths are made
 absolute here too (`build_app` runs where `serve run` was started; replicas may not).
 """
@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from loraplex.adapters.peft_format import CONFIG_NAME
 from loraplex.deployments.catalog import ADAPTER_NAME
 from loraplex.deployments.tenants import OperatorConfig, TenantConfig
 from loraplex.platform.config import EngineConfig
@@ -58,7 +59,7 @@ class ModelDeploymentConfig(StrictConfig):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="public model id")
     model: str | None = Field(None, description="registered name or HF folder; default: name")
     engine: dict[str, int | float | str | bool | None] = Field(
-        default_factory=dict, description="keywords of EngineConfig.create"
+        default_factory=dict, description="options of EngineConfig.from_options"
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="wait for in-flight requests on stop")
     stream_messages_per_step: int = Field(
@@ -87,8 +88,8 @@ class ModelDeploymentConfig(StrictConfig):
             if not ADAPTER_NAME.match(name):
                 raise ValueError(f"adapter name {name!r}: use letters, digits, '.', '_', '-'")
             path = Path(folder).expanduser().resolve()
-            if not (path / "adapter_config.json").is_file():
-                raise ValueError(f"adapter {name!r}: {path} has no adapter_config.json")
+            if not (path / CONFIG_NAME).is_file():
+                raise ValueError(f"adapter {name!r}: {path} has no {CONFIG_NAME}")
             resolved[name] = str(path)
         return resolved
 
@@ -104,14 +105,11 @@ class ModelDeploymentConfig(StrictConfig):
         try:
             self.engine_config()
         except TypeError as exc:
-            known = ", ".join(EngineConfig.option_names())
-            raise ValueError(
-                f"model {self.name!r}: bad engine option ({exc}); known: {known}"
-            ) from None
+            raise ValueError(f"model {self.name!r}: bad engine option ({exc})") from None
         return self
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig.create(self.model or self.name, **self.engine)
+        return EngineConfig.from_options(self.model or self.name, self.engine)
 
 
 class IngressOptions(StrictConfig):

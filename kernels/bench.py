@@ -422,10 +422,10 @@ def _layer_arguments(parser: argparse.ArgumentParser) -> None:
 @register("rms_norm", _layer_arguments)
 def bench_rms_norm(args: argparse.Namespace) -> list[Measurement]:
     """Fused RMSNorm + residual add against the torch ops it replaces."""
+    from loraplex.kernels import torch_layers
     from loraplex.kernels.rms_norm import rms_norm
-    from loraplex.platform.layers.layer_kernels import get_layer_kernels
 
-    torch_rms_norm = get_layer_kernels("torch").rms_norm
+    torch_rms_norm = torch_layers.rms_norm
 
     device = bench_device()
     dtype = DTYPES[args.dtype]
@@ -458,8 +458,8 @@ def bench_rms_norm(args: argparse.Namespace) -> list[Measurement]:
 def bench_rotary(args: argparse.Namespace) -> list[Measurement]:
     """Fused rotary + KV-cache write (Llama-8B heads) against apply_rotary + write_kv."""
     from loraplex.kernels.rotary_kv import rotary_write_kv
+    from loraplex.kernels.torch_layers import apply_rotary
     from loraplex.kernels.torch_paged_attention import write_kv
-    from loraplex.platform.layers.rotary import apply_rotary
 
     device = bench_device()
     dtype = DTYPES[args.dtype]

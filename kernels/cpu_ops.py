@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from loraplex.kernels.cache_dir import cache_base
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
@@ -56,8 +58,6 @@ def build_name() -> str:
 
 
 def build_root() -> Path:
-    from loraplex.platform.model_files import cache_base
-
     return cache_base() / "torch_extensions"
 
 
@@ -128,7 +128,7 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: s = residual + x (rounded to the dtype; x without residual),
     out = weight * dtype(float(s) / sqrt(mean(float(s)^2) + eps)) -> (out, s).
-    x, residual [T, hidden] contiguous; weight [hidden]. As TorchLayerKernels.rms_norm."""
+    x, residual [T, hidden] contiguous; weight [hidden]. As torch_layers.rms_norm."""
     out = torch.empty_like(x)
     residual_out = None if residual is None else torch.empty_like(x)
     ops().rms_norm(x, residual, weight, eps, out, residual_out)
@@ -150,7 +150,7 @@ def rotary_write_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Semantics: q and k rotated in place as platform/layers/rotary.apply_rotary does,
+    """Semantics: q and k rotated in place as kernels/torch_layers.apply_rotary does,
     then kv_cache[0 / 1, s // B, :, s % B] = k[t] / v[t] for s = slot_mapping[t] >= 0.
     q [T, H, Dh], k / v [T, Hkv, Dh] (contiguous last dims); cos / sin [T, Dh/2];
     kv_cache [2, N, Hkv, B, Dh]; slot_mapping [T] int64."""

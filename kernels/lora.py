@@ -1,8 +1,9 @@
 """Batched multi-LoRA compute for one projection: every token of a step may use a
 different adapter. The torch path lives here; Triton kernels sit in `triton_lora.py`
-(picked on CUDA) and the native CPU kernel in `cpu_ops.py` (see `kernels/selection.py`).
+and the native CPU kernel in `cpu_ops.py`. A kernel backend (backends.py) allocates
+the stacks in the layout its path reads and calls its path's `*_add_lora`.
 
-Stacked weights of one projection (written by the adapter slot manager):
+Stacked weights of one projection (`LoRAStack`, written by the adapter slot manager):
 
     lora_a [L, R, in]    slot l's A; rows past the adapter's rank are zero
     lora_b [L, out, R]   slot l's B, pre-multiplied by the adapter's scaling
@@ -30,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from loraplex.kernels.cpu_matmul import cpu_lacks_half_matmul, linear
 
 
 @dataclass(frozen=True)
@@ -100,26 +103,29 @@ class LoRABatch:
         return not self.segments
 
 
-def reference_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
-) -> torch.Tensor:
-    """Slow, obviously correct shrink in fp32 (tests' oracle). Returns y [T, R] fp32."""
-    y = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    for t, slot in enumerate(token_slots.tolist()):
-        if slot >= 0:
-            y[t] = x[t].float() @ lora_a[slot].float().T
-    return y
+@dataclass(frozen=True)
+class LoRAStack:
+    """Slot-stacked adapter weights of one projection (allocated by the kernel backend,
+    written by the adapter slot manager). A fused projection with S slices packs slot
+    l's adapter of rank r as
 
+        a[l, s*r : s*r + r_s, :]                      = A_s    (r_s <= r: slice s's rank)
+        b[l, off_s : off_s + out_s, s*r : s*r + r_s]  = B_s * scaling
 
-def reference_expand(
-    y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """Slow, obviously correct expand in fp32: returns out + delta as fp32 (out untouched)."""
-    result = out.float().clone()
-    for t, slot in enumerate(token_slots.tolist()):
-        if slot >= 0:
-            result[t] += y[t].float() @ lora_b[slot].float().T
-    return result
+    so the first S * r columns of a slot carry everything (the torch path reads only
+    those)."""
+
+    a: torch.Tensor
+    """[max_loras, num_slices * max_rank, in_features]"""
+    b: torch.Tensor
+    """[max_loras, out_features, num_slices * max_rank]; on the 'cpu' backend a view of
+    rank-major storage [max_loras, width, out_features] (each column B[l, :, r] is
+    contiguous, as the native kernel reads it)."""
+    num_slices: int
+
+    @property
+    def num_bytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
 
 
 def torch_add_lora(
@@ -145,8 +151,8 @@ def cpu_add_lora(
 ) -> None:
     """Native CPU path (kernels/cpu_ops.py `lora_add`) for decodes and prefill chunks:
     fp32 slots, rank-major B, the delta added into `out` in place. Against the torch
-    path it skips the per-group call overhead of a few decode rows per adapter
-    (measured 82 us per bmm) and, for half models, the fp32 copies of x and the delta."""
+    path it skips the per-group call overhead of a few decode rows per adapter and, for
+    half models, the fp32 copies of x and the delta."""
     from loraplex.kernels import cpu_ops
 
     cpu_ops.lora_add(out, x, lora_a, lora_b, batch.token_slots, batch.slot_rank_tensor, num_slices)
@@ -236,15 +242,11 @@ def _adjacent_equal_segments(
 
 
 def _lacks_half_matmul(out: torch.Tensor) -> bool:
-    from loraplex.platform.layers.linear import cpu_lacks_half_matmul
-
     return out.device.type == "cpu" and cpu_lacks_half_matmul(out.dtype)
 
 
 def _matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T, with the projections' fp32 widening on CPUs lacking half matmul."""
-    from loraplex.platform.layers.linear import linear
-
     return linear(x, weight, None)
 
 
@@ -270,22 +272,3 @@ def triton_add_lora(
         segs = (batch.seg_starts, batch.seg_lens, batch.seg_slots, batch.max_seg_len)
         triton_lora.sgmv_shrink(x, lora_a, *segs, y)
         triton_lora.sgmv_expand(y, lora_b, *segs, out)
-
-
-_BACKENDS = {"torch": torch_add_lora, "cpu": cpu_add_lora, "triton": triton_add_lora}
-
-
-def add_lora(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    batch: LoRABatch,
-    backend: str = "torch",
-    num_slices: int = 1,
-) -> None:
-    """out += expand(shrink(x)) per token's slot, through the named backend (in place).
-    `num_slices` is the projection's number of fused slices (see `LoRABatch.slot_ranks`)."""
-    if batch.empty:
-        return
-    _BACKENDS[backend](out, x, lora_a, lora_b, batch, num_slices)

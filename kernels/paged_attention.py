@@ -517,8 +517,8 @@ def _decode_partials(
 def _prefill_tiles(device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_M queries, BLOCK_N keys) per prefill tile. 16 x 16 under the interpreter.
     On the GPU 64 x 64 for half precision; fp32 (IEEE dot, no tensor-core layouts) at
-    64 x 64 spills about 3400 registers per thread and ran 25x slower than 32 x 32
-    (H100, Dh = 128, 2026-11-24: 59 ms vs 2.3 ms for 4 chunks of 512 after 512)."""
+    64 x 64 spills thousands of registers per thread and runs far slower than 32 x 32
+    (kernels/README.md has the H100 figures)."""
     if not _on_gpu(device):
         return 16, 16
     if dtype == torch.float32:

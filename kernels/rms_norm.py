@@ -6,8 +6,8 @@ Semantics (x, residual, out, residual_out [T, hidden]; weight [hidden]; dtype = 
     out = weight * (fp32(s) / sqrt(mean(fp32(s)^2) + eps)).to(dtype)     in dtype
     residual_out = s
 
-The dtype roundings are those of the torch path (`TorchLayerKernels.rms_norm` in
-platform/layers/layer_kernels.py, the reference in tests, and HF's LlamaRMSNorm), so
+The dtype roundings are those of the torch path (`torch_layers.rms_norm`, the
+reference in tests, and HF's LlamaRMSNorm), so
 fp32 results agree to rounding and half-precision ones to one ulp.
 """
 

@@ -1,7 +1,7 @@
 """Rotary embedding fused with the KV-cache write: q and k are rotated in place and k
 (rotated) and v go straight into their cache slots, in one pass over the step's tokens.
 
-Semantics (neox half-split layout, as `platform/layers/rotary.py`), for token t with
+Semantics (neox half-split layout, as `torch_layers.apply_rotary`), for token t with
 cos / sin = cos[t] / sin[t] ([Dh/2], in the model dtype), halves x1 = x[..., :Dh/2],
 x2 = x[..., Dh/2:], and s = slot_mapping[t]:
     rot(x) = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)   computed in fp32, stored in dtype
@@ -21,32 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-def reference_rotary_write_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch, fp32 rotation: returns the rotated (q, k) and writes the cache."""
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        c, s = cos.float()[:, None], sin.float()[:, None]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    q_rot, k_rot = rotate(q), rotate(k)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    block_size = kv_cache.shape[3]
-    blocks, rows = slots // block_size, slots % block_size
-    kv_cache[0].transpose(1, 2)[blocks, rows] = k_rot[keep]
-    kv_cache[1].transpose(1, 2)[blocks, rows] = v[keep]
-    return q_rot, k_rot
 
 
 @triton.jit

@@ -1,5 +1,7 @@
 """Which kernel family the engine runs: 'triton' on CUDA; on a CPU 'cpu' (the torch
 path with native hot spots, kernels/cpu_ops.py) when those build here, else 'torch'.
+The engine picks the name once per device (`kernel_backend`) and builds its model with
+it; every layer then calls the one backend object of that name (`backends.py`).
 
 `LORAPLEX_KERNEL_BACKEND=torch|cpu|triton` forces one for every kernel (attention,
 fused layers, LoRA), e.g. `torch` for the plain reference path, or `triton` to check
@@ -12,6 +14,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from loraplex.kernels.backends import KernelBackend, get_backend
 
 KERNEL_BACKEND_ENV = "LORAPLEX_KERNEL_BACKEND"
 KERNEL_BACKENDS = ("torch", "cpu", "triton")
@@ -34,3 +38,8 @@ def kernel_backend(device: torch.device) -> str:
         if cpu_ops.load():
             return "cpu"
     return "torch"
+
+
+def select_backend(device: torch.device) -> KernelBackend:
+    """The backend object `kernel_backend(device)` names (one shared object per name)."""
+    return get_backend(kernel_backend(device))

@@ -1,4 +1,5 @@
-"""Paged attention in plain torch (the CPU path) plus a slow reference for tests.
+"""Paged attention in plain torch (the reference CPU path; its fp64 oracle is in
+reference.py).
 
 KV cache of one layer: [2, num_blocks, Hkv, B, Dh] (0 = K, 1 = V), head-major inside
 a block: the B keys of one kv head in one block are one contiguous [B, Dh] run. Token p
@@ -8,8 +9,7 @@ of G = H / Hkv (query head h reads kv head h // G).
 
 Head-major blocks let one index_select over (block, kv head) pairs gather a batch's
 keys straight into the [D, Hkv, L, Dh] layout batched matmuls read, with no transpose
-copy (a [B, Hkv, Dh] layout needs one; measured 3.9 -> 2.0 ms per layer at 64 x 192
-keys, SmolLM2 heads, 2 cores).
+copy (a [B, Hkv, Dh] layout needs one).
 
 Per-step derived tensors (gather indices and buffers, masks) go into a `scratch` dict
 (the step's `AttentionMetadata.cache`), so every layer after the first reuses them.
@@ -98,7 +98,7 @@ def decode_attention(
     groups = num_heads // num_kv_heads
     q_grouped = q.reshape(num_decodes * num_kv_heads, groups, head_dim)
     # Two 3-d bmm calls beat SDPA (one query row per head leaves its flash kernel nothing
-    # to tile) and 4-d matmul (measured 2.0 vs 2.3 vs 2.2 ms at 64 x 192 keys, 2 cores).
+    # to tile) and a 4-d matmul at decode shapes.
     scores = torch.bmm(q_grouped, kv[0].transpose(1, 2)).mul_(scale)
     scores = scores.view(num_decodes, num_kv_heads, groups, max_len).add_(mask)
     probs = scores.softmax(dim=-1).view(num_decodes * num_kv_heads, groups, max_len)
@@ -208,35 +208,3 @@ def _prefill_gather_plan(
     scratch[_PREFILL_INDEX] = torch.cat(index_parts)
     scratch[_PREFILL_MASKS] = torch.cat(mask_parts)
     return scratch[_PREFILL_INDEX], scratch[_PREFILL_MASKS]
-
-
-def reference_paged_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: list[list[int]],
-    seq_lens: list[int],
-    query_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """Slow float64 oracle, one query token and head at a time.
-
-    q [T, H, Dh] holds each sequence's query_lens[s] tokens contiguously, in sequence
-    order; its last token sits at position seq_lens[s] - 1. Keys are read from
-    kv_cache [2, N, Hkv, B, Dh] through block_tables[s]. Returns [T, H, Dh] in q.dtype.
-    """
-    num_kv_heads, block_size = kv_cache.shape[2:4]
-    num_heads = q.shape[1]
-    groups = num_heads // num_kv_heads
-    out = torch.empty(q.shape, dtype=torch.float64)
-    token = 0
-    for table, seq_len, q_len in zip(block_tables, seq_lens, query_lens, strict=True):
-        for i in range(q_len):
-            last = seq_len - q_len + i
-            slots = [(table[p // block_size], p % block_size) for p in range(last + 1)]
-            keys = torch.stack([kv_cache[0, b, :, o] for b, o in slots]).double()
-            values = torch.stack([kv_cache[1, b, :, o] for b, o in slots]).double()
-            for h in range(num_heads):
-                scores = (keys[:, h // groups] @ q[token, h].double()) * scale
-                out[token, h] = scores.softmax(0) @ values[:, h // groups]
-            token += 1
-    return out.to(q.dtype)

@@ -299,10 +299,9 @@ take (the H100 allows 227 KB per block)."""
 
 def _sgmv_shrink_k_tile(x: torch.Tensor, block_m: int, block_r: int) -> tuple[int, int]:
     """(BLOCK_K, num_stages) of the SGMV shrink. Half precision on the GPU: K tiles up to
-    256 wide, 4 stages deep, narrowed to fit `_SHRINK_SMEM_BUDGET` (measured on an H100,
-    2026-11-24, bf16, in = 4096, R = 16, 8 segments of 256 tokens: 12.8 us against 27.2 us
-    with 64-wide tiles and 3 stages). fp32 (IEEE dot, about 10% from wider tiles) and the
-    interpreter keep 64 and 3."""
+    256 wide, 4 stages deep, narrowed to fit `_SHRINK_SMEM_BUDGET` (about twice as fast
+    as 64-wide tiles and 3 stages on an H100; kernels/README.md has the figures). fp32
+    (IEEE dot, little gain from wider tiles) and the interpreter keep 64 and 3."""
     widest = triton.next_power_of_2(x.shape[1])
     if x.device.type != "cuda" or x.dtype == torch.float32:
         return max(16, min(64, widest)), 3

@@ -39,6 +39,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
+from loraplex.platform.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -298,10 +299,7 @@ class AsyncEngine:
         request is made (`generate`)."""
         if messages is None:
             return self.engine.tokenize(prompt if prompt is not None else "")
-        encoded = self.engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
+        return apply_chat_template(self.engine.tokenizer, messages)
 
     def stats(self) -> dict[str, float]:
         """The engine's gauges and counters (LLMEngine.stats)."""

@@ -19,12 +19,13 @@ near-equal choices.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from loraplex.platform.config import SchedulerConfig
+from loraplex.platform.config import AUTO_DTYPE, EngineConfig, SchedulerConfig
 from loraplex.platform.gemm_probe import (
     GemmTimes,
     Projection,
@@ -242,3 +243,12 @@ def choose_dtype(arch: ModelArch, device: torch.device, scheduler: SchedulerConf
         ", ".join(f"{dtype_name(d)} {s:.2f}s" for d, s in seconds.items()),
     )
     return best
+
+
+def resolve_auto_dtype(config: EngineConfig, arch: ModelArch, device: torch.device) -> EngineConfig:
+    """`config` with dtype 'auto' replaced by the dtype `choose_dtype` picks for this
+    model and machine (on the calling thread, the engine's compute thread)."""
+    if config.model.dtype != AUTO_DTYPE:
+        return config
+    dtype = choose_dtype(arch, device, config.scheduler)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))

@@ -110,27 +110,20 @@ def stream_text(engine, request_id: str, prompt: str | list[int], params) -> Ite
                 emitted = text
 
 
-def chat_prompt(tokenizer, message: str) -> list[int]:
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": message}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
-    return list(encoded["input_ids"])
-
-
 def run_generate(args: argparse.Namespace) -> int:
     from loraplex.platform.llm import LLM
     from loraplex.platform.request import SamplingParams
+    from loraplex.platform.tokenizer import apply_chat_template, has_chat_template
 
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed)
-    has_template = bool(getattr(llm.tokenizer, "chat_template", None))
+    has_template = has_chat_template(llm.tokenizer)
     use_chat = has_template if args.chat is None else args.chat
     if use_chat and not has_template:
         sys.stderr.write("error: this model's tokenizer has no chat template; use --no-chat\n")
         return 2
-    prompt = chat_prompt(llm.tokenizer, args.prompt) if use_chat else args.prompt
+    prompt = args.prompt
+    if use_chat:
+        prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": args.prompt}])
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )

@@ -6,19 +6,17 @@ step loop runs on a background thread (AsyncEngine) must respect:
 - **Count per thread.** `torch.set_num_threads(n)` records n globally, but OpenMP keeps
   a thread count per calling thread, and a new thread starts from the process default,
   `OMP_NUM_THREADS`, which Ray sets to a replica's `num_cpus` (1 for 0.5). Until torch
-  re-applies its count in that thread, its GEMMs run single-threaded: measured on the
-  2-core dev VM (Intel Xeon), a batch-64 linear of the default model took 841 us there
-  against 554 us in the constructing thread. `use_compute_threads` sets the count for
+  re-applies its count in that thread, its GEMMs run single-threaded.
+  `use_compute_threads` sets the count for
   the calling thread; every thread that runs a model forward calls it first.
 - **One master per process.** Each thread that opens a parallel region gets its own
   pool of worker threads, and once a process holds more pool threads than CPUs,
   libgomp makes every worker sleep almost at once between regions instead of spinning.
-  An engine built on one thread and stepped on another has two pools: on the dev VM
-  the 64 x 128 -> 64 workload ran at 239-251 tok/s that way against 270-275 tok/s
-  with building and stepping on one thread (the worker slept ~20k times a burst
-  instead of never). `AsyncEngine.build` therefore builds, warms up and steps the
-  engine on its loop thread. `GOMP_SPINCOUNT` does not lift the limit, and
-  `OMP_WAIT_POLICY=ACTIVE` makes the idle pool spin (141 tok/s).
+  An engine built on one thread and stepped on another has two pools, and its workers
+  then sleep thousands of times a burst instead of never (README: "Where the served
+  path's time goes" has the figures). `AsyncEngine.build` therefore builds, warms up
+  and steps the engine on its loop thread. `GOMP_SPINCOUNT` does not lift the limit,
+  and `OMP_WAIT_POLICY=ACTIVE` makes the idle pool spin, which is slower still.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Engine configuration: frozen dataclasses parsed once at the edge.
 
-Derived values are properties so nothing is stored twice. `EngineConfig.create`
-is the one place where user options (CLI flags, `LLM(**options)`) become configs.
+Derived values are properties so nothing is stored twice, and each default lives in its
+dataclass only. `EngineConfig.from_options` is the one place where flat user options
+(CLI flags, `LLM(**options)`, a serve config's `engine`) become configs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -190,70 +192,35 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
-    def create(
-        cls,
-        model: str = "smollm2-135m-instruct",
-        *,
-        dtype: str | torch.dtype = AUTO_DTYPE,
-        device: str = "cpu",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        num_threads: int | None = None,
-        block_size: int = 16,
-        kv_cache_memory_bytes: int | None = None,
-        kv_cache_memory_fraction: float = 0.1,
-        num_blocks_override: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        policy: str = "fcfs",
-        max_loras: int = 8,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int = 64,
-        adapter_root: str | None = None,
-        tensor_parallel_size: int = 1,
-        distributed_timeout_s: float = 60.0,
-        worker_num_cpus: float = 0.1,
-    ) -> EngineConfig:
-        """Builds the frozen configs from flat user options (the `LLM(...)` keywords)."""
-        return cls(
-            model=ModelConfig(
-                model=model,
-                dtype=parse_dtype_option(dtype),
-                device=device,
-                max_model_len=max_model_len,
-                seed=seed,
-                num_threads=num_threads,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                kv_cache_memory_fraction=kv_cache_memory_fraction,
-                num_blocks_override=num_blocks_override,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
-                policy=policy,
-            ),
-            lora=LoRAConfig(
-                max_loras=max_loras,
-                max_lora_rank=max_lora_rank,
-                max_cpu_loras=max_cpu_loras,
-                adapter_root=adapter_root,
-            ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size,
-                distributed_timeout_s=distributed_timeout_s,
-                worker_num_cpus=worker_num_cpus,
-            ),
-        )
+    def from_options(cls, model: str, options: Mapping[str, object]) -> EngineConfig:
+        """The configs of `model` with flat user options (the `LLM(...)` keywords, a
+        serve config's `engine` table): each option sets the field of that name in its
+        section (`option_names()`), every other field keeps its dataclass default, and
+        `dtype` goes through `parse_dtype_option`. TypeError names the options that are
+        not fields (and lists the valid ones); a bad value raises its section's error."""
+        valid = [name for name in cls.option_names() if name != "model"]
+        unknown = [name for name in options if name not in valid]
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options: {', '.join(valid)}"
+            )
+        values = {**options, "model": model}
+        if "dtype" in values:
+            values["dtype"] = parse_dtype_option(values["dtype"])
+        sections = {}
+        for section in dataclasses.fields(cls):
+            names = {f.name for f in dataclasses.fields(section.default_factory)}
+            given = {name: value for name, value in values.items() if name in names}
+            sections[section.name] = section.default_factory(**given)
+        return cls(**sections)
 
-    @staticmethod
-    def option_names() -> tuple[str, ...]:
-        """The keyword names `create` accepts (for CLI flags and error messages)."""
-        sections = (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, ParallelConfig)
-        return tuple(f.name for s in sections for f in dataclasses.fields(s))
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """Every field name of every section, for CLI flags and error messages: the
+        options `from_options` takes, and `model`, its own argument."""
+        return tuple(
+            f.name
+            for section in dataclasses.fields(cls)
+            for f in dataclasses.fields(section.default_factory)
+        )

@@ -4,9 +4,8 @@ glibc serves allocations above its mmap threshold (128 KiB, raised dynamically u
 32 MiB) with fresh `mmap` pages and trims freed memory at the top of the heap once it
 exceeds the trim threshold. A CPU engine step allocates and frees tensors of several
 MB per layer (fused projections, MLP activations), so by default every step
-page-faults its scratch memory in again: measured on the 2-core dev VM, 64 x 128-token
-prefill steps of the default model made ~700k minor faults per run and took 1.7-2.5 s
-instead of 1.3-1.4 s, the whole fp32 bench 14-16 s instead of 11.7-12.9 s.
+page-faults its scratch memory in again (hundreds of thousands of minor faults per
+benchmark run, and visibly slower prefill steps).
 
 `keep_freed_memory()` pins the mmap threshold at its maximum and raises the trim
 threshold, so freed blocks stay in the heap and the next step reuses them. The cost is

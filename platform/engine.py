@@ -1,4 +1,5 @@
-"""LLMEngine: add_request / step / abort. One step = schedule -> execute -> update.
+"""LLMEngine: add_request / step / abort. One step = schedule -> execute -> update ->
+detokenize -> finish what stopped (`check_stop`, platform/stop.py) -> outputs.
 
 A step's failure that belongs to some requests ends just those (with an `error` on
 their output); a failure of shared state propagates, and `reset()` then drops every
@@ -7,11 +8,11 @@ request and every cached block and slot so the same engine can go on (async_engi
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -20,16 +21,17 @@ from loraplex.adapters.slots import LoRASlots
 from loraplex.adapters.store import AdapterStore
 from loraplex.kernels.selection import kernel_backend
 from loraplex.platform.block_pool import BlockPool
-from loraplex.platform.ceiling import choose_dtype
+from loraplex.platform.ceiling import resolve_auto_dtype
 from loraplex.platform.compute_threads import default_compute_threads, use_compute_threads
-from loraplex.platform.config import AUTO_DTYPE, CacheConfig, EngineConfig
+from loraplex.platform.config import EngineConfig
 from loraplex.platform.cpu_allocator import keep_freed_memory
 from loraplex.platform.failpoints import FAILPOINTS
+from loraplex.platform.kv_cache import allocate_kv_caches, plan_num_blocks
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.model_runner import AdapterActivationError, ModelRunner
 from loraplex.platform.models.arch import ModelArch
-from loraplex.platform.models.registry import allocate_kv_caches, load_model
+from loraplex.platform.models.registry import load_model
 from loraplex.platform.output_processor import OutputProcessor
 from loraplex.platform.parallel.layout import TPLayout
 from loraplex.platform.parallel.workers import (
@@ -41,55 +43,10 @@ from loraplex.platform.parallel.workers import (
 )
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
 from loraplex.platform.scheduler import Scheduler, SchedulerOutput
+from loraplex.platform.stop import check_stop
 from loraplex.platform.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def plan_num_blocks(
-    cache: CacheConfig,
-    arch: ModelArch,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_model_len: int,
-    num_kv_heads: int | None = None,
-) -> int:
-    """Number of KV blocks the memory budget buys (per rank: with `num_kv_heads` of the
-    model's kv heads); fails if one max_model_len sequence would not fit, naming the
-    numbers."""
-    bytes_per_block = arch.kv_bytes_per_token(dtype, num_kv_heads) * cache.block_size
-    if cache.num_blocks_override is not None:
-        num_blocks = cache.num_blocks_override
-        budget = num_blocks * bytes_per_block
-    else:
-        budget = cache.kv_cache_memory_bytes or int(
-            cache.kv_cache_memory_fraction * device_memory_bytes(device)
-        )
-        num_blocks = budget // bytes_per_block
-    needed = -(-max_model_len // cache.block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"KV cache budget too small: {budget} bytes buys {num_blocks} blocks of "
-            f"{cache.block_size} tokens ({bytes_per_block} bytes each), but one "
-            f"max_model_len={max_model_len} sequence needs {needed} blocks "
-            f"({needed * bytes_per_block} bytes). Raise the KV budget or lower max_model_len."
-        )
-    return num_blocks
-
-
-def resolve_auto_dtype(config: EngineConfig, arch: ModelArch, device: torch.device) -> EngineConfig:
-    """`config` with dtype 'auto' replaced by the dtype `choose_dtype` picks for this
-    model and machine (on the calling thread, the engine's compute thread)."""
-    if config.model.dtype != AUTO_DTYPE:
-        return config
-    dtype = choose_dtype(arch, device, config.scheduler)
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
 
 
 class LLMEngine:
@@ -98,6 +55,20 @@ class LLMEngine:
         folder = resolve_model_folder(config.model.model)
         self.tokenizer = load_tokenizer(folder)
         self.eos_token_ids = eos_token_ids(folder, self.tokenizer)
+        self._set_up_compute(config)
+        self._set_limits(config, ModelArch.from_folder(folder))
+        model, kv_caches = self._load_model_and_cache(folder)
+        lora_slots = self._set_up_adapters(model)
+        self._build_request_state()
+        cache = self.config.cache
+        self.runner = ModelRunner(
+            model, kv_caches, cache.block_size, self.device, lora_slots, self.workers
+        )
+        self.restarts = 0
+        self._log_ready(time.monotonic() - started, lora_slots)
+
+    def _set_up_compute(self, config: EngineConfig) -> None:
+        """The device, the calling thread's torch threads, the torch seed, the kernels."""
         self.device = torch.device(config.model.device)
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -105,20 +76,26 @@ class LLMEngine:
         self.enter_compute_thread()
         torch.manual_seed(config.model.seed)
         self.kernel_backend = kernel_backend(self.device)
-        arch = ModelArch.from_folder(folder)
+
+    def _set_limits(self, config: EngineConfig, arch: ModelArch) -> None:
+        """The model's architecture, the config with dtype resolved, max_model_len."""
         self.arch = arch
-        config = resolve_auto_dtype(config, arch, self.device)
-        self.config = config
+        self.config = resolve_auto_dtype(config, arch, self.device)
         """The engine's options with dtype resolved ('auto' never stays)."""
-        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        self.max_model_len = self.config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             logger.warning(
                 "max_model_len %d exceeds the model's max_position_embeddings %d",
                 self.max_model_len,
                 arch.max_position_embeddings,
             )
+
+    def _load_model_and_cache(self, folder: Path) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+        """Sizes the KV cache, starts the tensor-parallel workers (if any), loads rank 0's
+        weights and allocates its KV cache; the workers stop if loading fails."""
+        config = self.config
+        arch = self.arch
         cache = config.cache
-        lora = config.lora
         tp_size = config.parallel.tensor_parallel_size
         layout = TPLayout.create(arch, 0, tp_size)
         num_blocks = plan_num_blocks(
@@ -139,20 +116,25 @@ class LLMEngine:
             arch, num_blocks, cache.block_size, config.model.dtype, self.device, layout.num_kv_heads
         )
         self.num_blocks = num_blocks
+        return model, kv_caches
+
+    def _set_up_adapters(self, model: torch.nn.Module) -> LoRASlots | None:
+        """The adapter store and the device slots, or None for both with LoRA off."""
+        lora = self.config.lora
         self.adapters: AdapterStore | None = None
-        lora_slots = None
-        if lora.enabled:
-            self.adapters = AdapterStore(
-                arch, lora.max_lora_rank, lora.max_cpu_loras, lora.adapter_root
-            )
-            lora_slots = LoRASlots(
-                model.lora_targets(), lora.max_loras, lora.max_lora_rank, self.kernel_backend
-            )
-        self._build_request_state()
-        self.runner = ModelRunner(
-            model, kv_caches, cache.block_size, self.device, lora_slots, self.workers
+        if not lora.enabled:
+            return None
+        self.adapters = AdapterStore(
+            self.arch, lora.max_lora_rank, lora.max_cpu_loras, lora.adapter_root
         )
-        self.restarts = 0
+        return LoRASlots(
+            model.lora_targets(), lora.max_loras, lora.max_lora_rank, self.kernel_backend
+        )
+
+    def _log_ready(self, elapsed: float, lora_slots: LoRASlots | None) -> None:
+        """Logs each tensor-parallel rank's memory and the engine's settings."""
+        config = self.config
+        tp_size = config.parallel.tensor_parallel_size
         if self.workers is not None:
             for shard in self.shard_memory():
                 logger.info(
@@ -167,18 +149,18 @@ class LLMEngine:
             "engine ready in %.1fs: model=%s dtype=%s device=%s threads=%d kernels=%s tp=%d "
             "blocks=%d x %d tokens, "
             "max_model_len=%d, lora slots=%d x rank %d (%.1f MiB)",
-            time.monotonic() - started,
+            elapsed,
             config.model.model,
             config.model.dtype,
             self.device,
             torch.get_num_threads(),
             self.kernel_backend,
             tp_size,
-            num_blocks,
-            cache.block_size,
+            self.num_blocks,
+            config.cache.block_size,
             self.max_model_len,
-            lora.max_loras,
-            lora.max_lora_rank,
+            config.lora.max_loras,
+            config.lora.max_lora_rank,
             (lora_slots.num_bytes if lora_slots else 0) / 2**20,
         )
 
@@ -217,10 +199,8 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(
             BlockPool(self.num_blocks), config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache, self.max_model_len, config.lora.max_loras
-        )
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.lora.max_loras)
+        self.outputs = OutputProcessor(self.tokenizer)
 
     def reset(self) -> None:
         """Drops every request, every cached KV block and every LoRA slot, keeping the
@@ -415,7 +395,22 @@ class LLMEngine:
         for request in updated:
             if request.failure is not None:
                 logger.warning("request %s failed: %s", request.request_id, request.failure.message)
-        return self.outputs.process(updated)
+        detokenized = self.outputs.detokenize(updated)
+        self._finish_stopped(updated, detokenized.stop_strings)
+        for group_id, failure in detokenized.failed.items():
+            self.scheduler.fail_group(group_id, failure)
+        return self.outputs.outputs(updated)
+
+    def _finish_stopped(self, updated: list[Request], stop_strings: Mapping[str, str]) -> None:
+        """Ends (through the scheduler: blocks freed at once) every request of `updated`
+        that `check_stop` says stops after its new token."""
+        for request in updated:
+            if request.finished:
+                continue
+            stop = check_stop(request, self.max_model_len, stop_strings.get(request.request_id))
+            if stop is not None:
+                request.stop_reason = stop.reason
+                self.scheduler.finish(request, stop.status)
 
     def _fail_adapter(
         self, output: SchedulerOutput, exc: AdapterActivationError
@@ -427,7 +422,7 @@ class LLMEngine:
             r.group_id for r in self.scheduler.requests.values() if r.adapter_key == exc.adapter_key
         }
         failed = [m for group in groups for m in self.scheduler.fail_group(group, failure)]
-        return self.outputs.process(failed)
+        return self.outputs.outputs(failed)
 
     def stats(self) -> dict[str, float]:
         kv = self.kv_cache

@@ -6,8 +6,8 @@ head). `probe_gemm_times` times each of them, for one model's shapes, at the row
 the faster of the two matmuls the engine could use (MKL's `F.linear` and oneDNN's
 prepacked linear). Decode-sized row counts are timed in the model's order over a
 distinct weight per layer (and the LM head), so each call reads its weight from where a
-real step finds it: on the 2-core dev VM (260 MiB L3) a shape timed alone over its 30
-layer copies stayed in cache and ran faster than inside the model's pass.
+real step finds it: a shape timed alone over its layer copies can stay in a large L3
+cache and run faster than inside the model's pass.
 
 The times feed two things: the ceiling of `loraplex bench offline --ceiling`
 (`platform/ceiling.py`) and `dtype: auto`, which picks the dtype whose projections
@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels.cache_dir import cache_base
+from loraplex.kernels.cpu_matmul import PackedWeight, cpu_lacks_half_matmul
 from loraplex.kernels.cpu_ops import cpu_identity
-from loraplex.platform.layers.linear import PackedWeight, cpu_lacks_half_matmul
 from loraplex.platform.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
@@ -262,8 +263,6 @@ def cache_key(
 
 
 def probe_cache_dir() -> Path:
-    from loraplex.platform.model_files import cache_base
-
     return cache_base() / "gemm_probe"
 
 

@@ -11,6 +11,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import RequestOutput, SamplingParams
+from loraplex.platform.tokenizer import apply_chat_template
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
@@ -19,13 +20,13 @@ Message = dict[str, str]
 class LLM:
     """Runs an LLMEngine to completion over a list of prompts.
 
-    Keyword options are those of `EngineConfig.create` (dtype, max_model_len,
-    max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_bytes, ...);
-    an unknown option is a TypeError.
+    Keyword options are the engine options of `EngineConfig.from_options` (dtype,
+    max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+    kv_cache_memory_bytes, ...); an unknown option is a TypeError.
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_options: object) -> None:
-        self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
+        self.engine = LLMEngine(EngineConfig.from_options(model, engine_options))
         self._ids = itertools.count()
 
     @property
@@ -95,10 +96,8 @@ class LLM:
         return self.generate(prompts, sampling_params, adapters, use_tqdm=use_tqdm)
 
     def chat_prompt_ids(self, conversation: Sequence[Message]) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(
-            list(conversation), add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
+        """The prompt ids `chat` generates from for one conversation."""
+        return apply_chat_template(self.tokenizer, conversation)
 
     @staticmethod
     def _expand_params(

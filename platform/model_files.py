@@ -25,9 +25,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from loraplex.kernels.cache_dir import cache_base
+
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "LORAPLEX_CACHE_DIR"
 SOURCE_FILE = "loraplex_source.json"
 
 
@@ -65,12 +66,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         ),
     )
 }
-
-
-def cache_base() -> Path:
-    """loraplex's cache directory: `$LORAPLEX_CACHE_DIR` or ~/.cache/loraplex."""
-    base = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "loraplex"
-    return Path(base).expanduser()
 
 
 def cache_root() -> Path:

@@ -1,7 +1,7 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples. Makes no decisions.
 
 Per step it builds the flattened batch (decodes first, then prefill chunks; see
-attention_metadata.py), applies pending copy-on-write block copies, runs the model,
+kernels/attention_metadata.py), applies pending copy-on-write block copies, runs the model,
 computes logits only for the rows that sample, and lets the sampler pick tokens.
 
 With LoRA, the step's adapters are made resident in device slots first, and decodes
@@ -12,27 +12,38 @@ Failures that belong to one request stay with it: a row whose logits are not fin
 or whose sampling raises (the batch is then sampled again row by row, seeded
 generators rewound), is reported in `StepResult.failed` and every other row keeps its
 token. An adapter that cannot be written into a slot raises `AdapterActivationError`
-before anything ran, naming the adapter, so the engine ends only its requests.
+before the model ran, naming the adapter, so the engine ends only its requests (the
+step's block copies are still made, on every rank: its other requests go on).
 
-Under tensor parallelism this runner is rank 0: it sends each step's inputs (and the
-slot writes and block copies it made) to the worker ranks before the forward, which
-all ranks then run together (parallel/workers.py).
+Every tensor-parallel rank owns a runner over its shard and runs each step with the same
+`run(StepInputs)`: block copies, forward, logits of the sampling rows. Only rank 0
+prepares steps and samples; it hands each step's inputs (with the block copies and the
+adapter slot writes it made while preparing) to the other ranks before running it, and
+the collectives inside the model keep the ranks together (parallel/workers.py).
+
+    rank 0: execute(output)                      rank r > 0: worker loop
+      prepare_inputs -> StepInputs (slots written)
+      workers.send(inputs) ----------------------> write_slots(inputs.slot_writes)
+      run(inputs)  <-- collectives -->             run(inputs)
+      sample(logits)
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.slots import LoRASlots
+from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora import LoRABatch
-from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.failpoints import FAILPOINTS
-from loraplex.platform.models.registry import copy_blocks
-from loraplex.platform.parallel.workers import StepMessage, TPWorkers
+from loraplex.platform.kv_cache import copy_blocks
 from loraplex.platform.request import Logprob, Request, RequestFailure
 from loraplex.platform.sampler import Sampler, SamplerOutput, SamplingBatch
 from loraplex.platform.scheduler import ScheduledRequest, SchedulerOutput
@@ -56,15 +67,41 @@ class StepResult:
     """request id -> why it got no token (only that request ends)"""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepInputs:
+    """What every rank runs one step from (rank 0 builds it, the other ranks receive it
+    pickled): T tokens, decodes first, then prefill chunks; R sampling rows."""
+
     input_ids: torch.Tensor
+    """[T] int64 token ids."""
     positions: torch.Tensor
+    """[T] int64 position of each token in its sequence."""
     meta: AttentionMetadata
     lora: LoRABatch | None
+    """Adapter slot of each token (None: every token runs the base model)."""
     sample_rows: torch.Tensor
-    """[R] index into the step's tokens of each sampling row (repeats for forks)."""
+    """[R] int64 index into the step's tokens of each sampling row (repeats for forks)."""
+    block_copies: tuple[tuple[int, int], ...]
+    """(src, dst) copy-on-write block copies, made before the forward."""
+    slot_writes: tuple[tuple[int, LoRAAdapter], ...]
+    """(slot, adapter) written into rank 0's LoRA slots while this step was prepared;
+    the other ranks write them into their shards' slots before running it."""
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """Rank 0's step: the inputs every rank runs, and whom each sampling row is for."""
+
+    inputs: StepInputs
     sample_requests: list[Request]
+    """[R] the request row r of `inputs.sample_rows` samples for."""
+
+
+class StepFollowers(Protocol):
+    """The tensor-parallel ranks 1.. (`TPWorkers` in parallel/workers.py)."""
+
+    def send(self, inputs: StepInputs) -> None:
+        """Hands them the step rank 0 is about to run; each runs it with rank 0."""
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -81,11 +118,13 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         lora_slots: LoRASlots | None = None,
-        workers: TPWorkers | None = None,
+        workers: StepFollowers | None = None,
     ) -> None:
+        """One rank's runner over its shard: `model`, its per-layer `kv_caches` and its
+        LoRA slots. `workers` (rank 0 of several ranks only) get each step's inputs."""
         self.model = model
         self.workers = workers
-        """Tensor-parallel ranks 1.. (None on one rank): sent each step's inputs."""
+        """Tensor-parallel ranks 1.. (None on one rank and on the workers themselves)."""
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -94,29 +133,52 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
-        """Runs one step: the sampled token of every sampling request, or why it failed."""
-        copy_blocks(self.kv_caches, output.block_copies)
-        inputs = self.prepare_inputs(output)
-        slot_loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
+        """Rank 0 runs one step (with the other ranks, if any): the sampled token of every
+        sampling request, or why it failed. AdapterActivationError when an adapter
+        cannot take a slot: then only the step's block copies were made."""
+        try:
+            step = self.prepare_inputs(output)
+        except AdapterActivationError:
+            if output.block_copies:
+                # The step's other requests go on, and need their copy-on-write blocks.
+                self._lead(self.prepare_inputs(SchedulerOutput([], output.block_copies)).inputs)
+            raise
+        logits = self._lead(step.inputs)
+        if logits is None:
+            return StepResult()
+        return self.sample(logits, step.sample_requests)
+
+    def _lead(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Rank 0: hands `inputs` to the other ranks, then runs them (see `run`)."""
         if self.workers is not None:
-            self.workers.send(
-                StepMessage(
-                    block_copies=output.block_copies,
-                    slot_loads=slot_loads,
-                    input_ids=inputs.input_ids,
-                    positions=inputs.positions,
-                    meta=inputs.meta,
-                    lora=inputs.lora,
-                    sample_rows=inputs.sample_rows,
-                )
-            )
+            self.workers.send(inputs)
+        return self.run(inputs)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Runs one step on this rank's shard, as every rank does: the block copies, the
+        forward (whose collectives pair with the other ranks'), then the logits of the
+        sampling rows: float32 [R, vocab], or None when no row samples."""
+        copy_blocks(self.kv_caches, inputs.block_copies)
+        if not inputs.input_ids.numel():
+            return None
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
         )
-        if not inputs.sample_requests:
-            return StepResult()
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        return self.sample(logits, inputs.sample_requests)
+        if not inputs.sample_rows.numel():
+            return None
+        return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def write_slots(self, writes: Sequence[tuple[int, LoRAAdapter]]) -> None:
+        """Writes each (slot, adapter) into this rank's LoRA slots: a worker's share of
+        the slot writes rank 0 made in `prepare_inputs` (`StepInputs.slot_writes`)."""
+        if not writes:
+            return
+        if self.lora_slots is None:
+            raise RuntimeError("adapter slot write on a runner without LoRA slots")
+        for slot, adapter in writes:
+            self.lora_slots.load(adapter, slot)
+        self.lora_slots.take_loads()
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> StepResult:
         """Samples one token per row of `logits[R, V]`; a row that cannot be sampled
@@ -182,7 +244,9 @@ class ModelRunner:
                 failing.key, f"adapter {failing.name!r} could not be loaded into a slot: {exc}"
             ) from exc
 
-    def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(self, output: SchedulerOutput) -> PreparedStep:
+        """Rank 0: makes the step's adapters resident (AdapterActivationError naming the
+        one that cannot be), then flattens the batch, each kind ordered by slot."""
         slot_of = self._slots(output)
 
         def slot(item: ScheduledRequest) -> int:
@@ -232,14 +296,17 @@ class ModelRunner:
             lora = LoRABatch.from_token_slots(
                 token_slots, len(decodes), device, self.lora_slots.slot_ranks()
             )
-        return StepInputs(
+        slot_writes = self.lora_slots.take_loads() if self.lora_slots is not None else []
+        inputs = StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             meta=meta,
             lora=lora,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
-            sample_requests=sample_requests,
+            block_copies=tuple(output.block_copies),
+            slot_writes=tuple(slot_writes),
         )
+        return PreparedStep(inputs, sample_requests)
 
 
 def _non_finite(request: Request) -> RequestFailure:

@@ -1,14 +1,16 @@
 """Turns sampled tokens into RequestOutputs: incremental text, stop strings, n > 1 groups.
 
-One `IncrementalDetokenizer` per request keeps text generation O(new tokens). A stop
-string ends the request through the scheduler (which frees its blocks at once). A
-request that failed this step (or whose detokenizing raises) ends its group with the
-failure as the output's `error`; the other groups are untouched.
+One `IncrementalDetokenizer` per request keeps text generation O(new tokens). Each step
+the engine first calls `detokenize`, which reports the stop strings found and the
+groups whose detokenizing raised, and changes no request; the engine ends those
+requests through the scheduler, then calls `outputs`. A group with a failed request
+reports the failure as its output's `error`; the other groups are untouched.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from loraplex.platform.detokenizer import IncrementalDetokenizer
@@ -17,9 +19,7 @@ from loraplex.platform.request import (
     Request,
     RequestFailure,
     RequestOutput,
-    RequestStatus,
 )
-from loraplex.platform.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +34,19 @@ class _Group:
         return all(member.finished for member in self.members)
 
 
+@dataclass(frozen=True)
+class Detokenized:
+    """What one step's new text decided."""
+
+    stop_strings: Mapping[str, str]
+    """request id -> the stop string its text now contains."""
+    failed: Mapping[str, RequestFailure]
+    """group id -> why detokenizing one of its requests raised (the group must end)."""
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer: object, scheduler: Scheduler) -> None:
+    def __init__(self, tokenizer: object) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
         self._groups: dict[str, _Group] = {}
 
     def add(self, group: list[Request]) -> None:
@@ -50,30 +59,32 @@ class OutputProcessor:
     def __contains__(self, group_id: str) -> bool:
         return group_id in self._groups
 
-    def process(self, updated: list[Request]) -> list[RequestOutput]:
-        """Detokenizes this step's new tokens and returns one output per touched group."""
-        touched: dict[str, _Group] = {}
+    def detokenize(self, updated: list[Request]) -> Detokenized:
+        """Detokenizes the new token of every request in `updated` that has not failed,
+        skipping the rest of a group once one of its requests failed to detokenize."""
+        stop_strings: dict[str, str] = {}
+        failed: dict[str, RequestFailure] = {}
         for request in updated:
-            group = self._groups[request.group_id]
-            touched[request.group_id] = group
-            if request.failure is not None:
+            if request.failure is not None or request.group_id in failed:
                 continue
+            detokenizer = self._groups[request.group_id].detokenizers[request.index]
             try:
-                self._append(request, group.detokenizers[request.index])
+                detokenizer.append(request.output_token_ids[-1:])
             except Exception as exc:
                 logger.exception("request %s: detokenizing failed", request.request_id)
-                failure = RequestFailure(f"detokenizing the output failed: {exc!r}")
-                self.scheduler.fail_group(request.group_id, failure)
-        return [self._output(group_id, group) for group_id, group in touched.items()]
+                failed[request.group_id] = RequestFailure(
+                    f"detokenizing the output failed: {exc!r}"
+                )
+                continue
+            if detokenizer.finished_by_stop is not None:
+                stop_strings[request.request_id] = detokenizer.finished_by_stop
+        return Detokenized(stop_strings, failed)
 
-    def _append(self, request: Request, detokenizer: IncrementalDetokenizer) -> None:
-        detokenizer.append(request.output_token_ids[-1:])
-        if detokenizer.finished_by_stop is not None and not request.finished:
-            request.stop_reason = detokenizer.finished_by_stop
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        elif detokenizer.finished_by_stop is not None:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = detokenizer.finished_by_stop
+    def outputs(self, updated: list[Request]) -> list[RequestOutput]:
+        """One output per group that `updated` touches, in order of first touch; a
+        finished group is forgotten once its output is built."""
+        group_ids = dict.fromkeys(request.group_id for request in updated)
+        return [self._output(group_id, self._groups[group_id]) for group_id in group_ids]
 
     def abort(self, group_id: str) -> RequestOutput | None:
         group = self._groups.get(group_id)

@@ -212,23 +212,6 @@ class Request:
         if logprob is not None:
             self.output_logprobs.append(logprob)
 
-    def check_stop_token(self) -> bool:
-        """Sets a FINISHED status if the last token or the length ends the request."""
-        params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
-            self.status = RequestStatus.FINISHED_STOPPED
-            self.stop_reason = None
-            return True
-        if last in params.stop_token_ids:
-            self.status = RequestStatus.FINISHED_STOPPED
-            self.stop_reason = last
-            return True
-        if self.num_output_tokens >= params.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
 
 @dataclass
 class CompletionOutput:

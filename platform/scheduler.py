@@ -90,12 +90,10 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
-        max_model_len: int,
         max_loras: int = 0,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.max_model_len = max_model_len
         self.max_loras = max_loras
         self.waiting = WaitingQueue(config.policy == "priority")
         self.running: list[Request] = []
@@ -222,10 +220,10 @@ class Scheduler:
         sampled: dict[str, tuple[int, object]],
         failed: dict[str, RequestFailure] | None = None,
     ) -> list[Request]:
-        """Advances computed counts, appends sampled tokens, forks siblings and finishes
-        requests that hit a stop token or a length limit, or whose step `failed` (their
-        whole group ends with that failure). Returns the requests that got a new token
-        or failed this step (finished ones included)."""
+        """Advances computed counts, forks siblings, appends sampled tokens and ends the
+        groups whose step `failed` (each with that failure). Returns the requests that got
+        a new token or failed this step. Whether a request with a new token stops is
+        `check_stop`'s to say (platform/stop.py); the engine then calls `finish`."""
         for item in output.scheduled:
             item.request.num_computed_tokens += item.num_tokens
         for parent_id, siblings in output.forks.items():
@@ -246,20 +244,13 @@ class Scheduler:
             if request is None:
                 continue  # its group failed this step
             request.append_output_token(token_id, logprob)
-            if request.check_stop_token() or self._at_length_limit(request):
-                self.finish(request, request.status)
             updated.append(request)
         return updated
 
-    def _at_length_limit(self, request: Request) -> bool:
-        if request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Ends a request (stop, length, abort or error) and frees its blocks at once;
-        an errored request's blocks also leave the prefix cache."""
+        an errored request's blocks also leave the prefix cache. Siblings still waiting
+        to fork from it end with it."""
         request.status = status
         if request in self.running:
             self.running.remove(request)

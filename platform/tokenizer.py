@@ -1,9 +1,11 @@
-"""Loads a model folder's tokenizer (local files only) and its end-of-sequence ids."""
+"""Loads a model folder's tokenizer (local files only) and its end-of-sequence ids, and
+turns chat messages into prompt ids through its chat template."""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -35,3 +37,23 @@ def eos_token_ids(folder: str | Path, tokenizer) -> frozenset[int]:
         except ValueError:
             logger.warning("ignoring unreadable %s", path)
     return frozenset(ids)
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def apply_chat_template(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The prompt ids of chat `messages` (role / content dicts) through the tokenizer's
+    chat template, with the assistant's turn opened. ValueError when the tokenizer has
+    no chat template."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("this model's tokenizer has no chat template")
+    encoded = tokenizer.apply_chat_template(
+        [dict(message) for message in messages],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )
+    return list(encoded["input_ids"])

@@ -36,12 +36,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from loraplex.adapters.store import ADAPTER_FILES
+from loraplex.platform.tokenizer import apply_chat_template
+
 logger = logging.getLogger("train_demo_adapters")
 
 MODEL_NAME = "smollm2-135m-instruct"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "adapters" / "demo"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 # Rank 8 in fp32 keeps each adapter under 4 MB; the two use different module sets
 # (attention only vs attention + an MLP projection) so a server meets both shapes.
@@ -844,13 +846,7 @@ class BatchSampler:
 
 def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     """The prompt exactly as the server builds it for a single user message."""
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
-    return list(encoded["input_ids"])
+    return apply_chat_template(tokenizer, [{"role": "user", "content": question}])
 
 
 class Encoder:

@@ -30,7 +30,7 @@ class OfflineSpec:
 
     model: str
     engine: dict
-    """Keywords of EngineConfig.create, as in the serve config."""
+    """Engine options (EngineConfig.from_options), as in the serve config."""
     prompts: list[list[int]]
     adapters: list[str | None]
     """Each prompt's adapter folder (None: the base model)."""
@@ -90,7 +90,7 @@ def run(spec: OfflineSpec) -> OfflineResult:
     from loraplex.platform.engine import LLMEngine
     from loraplex.platform.request import SamplingParams
 
-    engine = LLMEngine(EngineConfig.create(spec.model, **spec.engine))
+    engine = LLMEngine(EngineConfig.from_options(spec.model, spec.engine))
     params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     _run_all(engine, spec.warmup_prompts, [None] * len(spec.warmup_prompts), warm, "warmup")

@@ -1,13 +1,13 @@
 """Attention front-end: rotates q / k, writes the step's K/V into the paged cache, then
-attends, all through the engine's `LayerKernels` (layer_kernels.py)."""
+attends, all through the engine's kernel backend (kernels/backends.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from loraplex.platform.attention_metadata import AttentionMetadata
-from loraplex.platform.layers.layer_kernels import get_layer_kernels
+from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.backends import get_backend
 
 
 class PagedAttention(nn.Module):
@@ -23,7 +23,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        self.kernels = get_layer_kernels(kernels)
+        self.kernels = get_backend(kernels)
 
     def forward(
         self,

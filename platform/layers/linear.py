@@ -2,78 +2,23 @@
 
 Fused projections (q/k/v, gate/up) are one matmul on CPU; `output_sizes` records
 each slice. With LoRA enabled a projection also holds a `LoRAStack` (its slots'
-adapter weights) and adds each token's adapter delta after the base matmul.
+adapter weights, in its kernel backend's layout) and adds each token's adapter delta
+after the base matmul through that backend.
 Parameters are allocated uninitialized: every value comes from the checkpoint.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels.lora import LoRABatch, add_lora
-from loraplex.platform.layers.lora import LoRAStack
+from loraplex.kernels.backends import KernelBackend
+from loraplex.kernels.cpu_matmul import PackedWeight, linear
+from loraplex.kernels.lora import LoRABatch, LoRAStack
 from loraplex.platform.parallel.group import TPGroup
-
-
-@functools.cache
-def cpu_lacks_half_matmul(dtype: torch.dtype) -> bool:
-    """True when this CPU has no native bf16 / fp16 matmul (no AVX512-BF16, AMX or
-    AVX512-FP16): oneDNN then emulates it about 5x slower than fp32."""
-    if dtype == torch.bfloat16:
-        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if dtype == torch.float16:
-        return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return False
-
-
-@functools.cache
-def onednn_prepacking(dtype: torch.dtype) -> bool:
-    """True when oneDNN can prepack CPU weights of `dtype` for its linear kernels.
-
-    Measured on the 2-core dev machine (AMD EPYC, AVX-512): fp32 projections of the
-    default model run 2.2-3.4x faster than F.linear (MKL sgemm), bf16 ones 1.1-1.4x."""
-    ops = torch.ops.mkldnn
-    if not torch.backends.mkldnn.is_available() or not hasattr(ops, "_reorder_linear_weight"):
-        return False
-    return dtype == torch.float32 or (
-        dtype in (torch.bfloat16, torch.float16) and not cpu_lacks_half_matmul(dtype)
-    )
-
-
-class PackedWeight:
-    """A CPU weight [out, in] reordered once into oneDNN's blocked layout.
-
-    Semantics: packed(x) = x @ W.T + b, x [T, in] (W's dtype) -> [T, out]; the same
-    as F.linear(x, W, b) up to accumulation order."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
-
-    @classmethod
-    def maybe(cls, weight: torch.Tensor) -> PackedWeight | None:
-        """A packed copy when `weight` is a CPU tensor oneDNN can prepack, else None."""
-        if weight.device.type != "cpu" or not onednn_prepacking(weight.dtype):
-            return None
-        return cls(weight)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear; on a CPU without native half-precision matmul, half weights are widened
-    to fp32 for the product (exactly: bf16 -> fp32 is lossless) and the result is cast
-    back, which keeps weights and activations in half precision at fp32 speed."""
-    if x.device.type == "cpu" and cpu_lacks_half_matmul(weight.dtype):
-        wide_bias = bias.float() if bias is not None else None
-        return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
-    return F.linear(x, weight, bias)
 
 
 class MergedLinear(nn.Module):
@@ -116,6 +61,8 @@ class MergedLinear(nn.Module):
             else None
         )
         self.lora: LoRAStack | None = None
+        self.lora_kernels: KernelBackend | None = None
+        """The backend that allocated `lora` and adds its deltas."""
         self.packed: PackedWeight | None = None
         """oneDNN copy of `weight` (CPU), made by `pack` once the weights are loaded."""
 
@@ -135,8 +82,7 @@ class MergedLinear(nn.Module):
 
     def _add_lora(self, out: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None) -> None:
         if lora is not None and self.lora is not None:
-            stack = self.lora
-            add_lora(out, x, stack.a, stack.b, lora, stack.backend, stack.num_slices)
+            self.lora_kernels.add_lora(out, x, self.lora, lora)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -147,23 +93,18 @@ class MergedLinear(nn.Module):
         """Prepacks the loaded weight for oneDNN where that is faster (CPU only)."""
         self.packed = PackedWeight.maybe(self.weight)
 
-    def enable_lora(self, max_loras: int, max_rank: int, backend: str) -> LoRAStack:
-        """Allocates this projection's zeroed adapter slots. On a CPU path a half
-        precision model keeps its slots in fp32, as PEFT keeps adapter weights: tiny
-        fp32 matmuls cost less per call on a CPU, and the delta is rounded only once."""
-        dtype = self.weight.dtype
-        if backend != "triton" and dtype in (torch.bfloat16, torch.float16):
-            dtype = torch.float32
-        self.lora = LoRAStack.allocate(
+    def enable_lora(self, max_loras: int, max_rank: int, backend: KernelBackend) -> LoRAStack:
+        """Allocates this projection's zeroed adapter slots in `backend`'s layout."""
+        self.lora = backend.lora_stack(
             max_loras,
             max_rank,
             self.in_features,
             self.out_features,
             len(self.output_sizes),
-            dtype,
+            self.weight.dtype,
             self.weight.device,
-            backend,
         )
+        self.lora_kernels = backend
         return self.lora
 
     def lora_shard(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraplex.platform.layers.layer_kernels import get_layer_kernels
+from loraplex.kernels.backends import get_backend
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
-        self.kernels = get_layer_kernels(kernels)
+        self.kernels = get_backend(kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -80,9 +80,3 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache.index_select(0, positions).to(dtype)
         sin = self.sin_cache.index_select(0, positions).to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, Dh], cos/sin [T, 1, Dh/2] -> rotated x [T, heads, Dh] (same dtype)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

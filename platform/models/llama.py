@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.backends import get_backend
+from loraplex.kernels.cpu_matmul import PackedWeight, linear
 from loraplex.kernels.lora import LoRABatch
-from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.layers.attention import PagedAttention
-from loraplex.platform.layers.layer_kernels import get_layer_kernels
-from loraplex.platform.layers.linear import MergedLinear, PackedWeight, RowParallelLinear, linear
+from loraplex.platform.layers.linear import MergedLinear, RowParallelLinear
 from loraplex.platform.layers.norm import RMSNorm
 from loraplex.platform.layers.rotary import RotaryEmbedding
 from loraplex.platform.models.arch import ModelArch
@@ -93,7 +94,7 @@ class LlamaMLP(nn.Module):
         group: TPGroup,
     ) -> None:
         super().__init__()
-        self.kernels = get_layer_kernels(kernels)
+        self.kernels = get_backend(kernels)
         size = arch.intermediate_size
         self.gate_up_proj = MergedLinear(
             arch.hidden_size,
@@ -165,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         layout: TPLayout | None = None,
         group: TPGroup | None = None,
     ) -> None:
-        """`kernels` names the LayerKernels implementation ('torch' or 'triton')."""
+        """`kernels` names the kernel backend ('torch', 'cpu' or 'triton'; kernels/backends.py)."""
         super().__init__()
         device = torch.device(device)
         self.arch = arch

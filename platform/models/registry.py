@@ -1,4 +1,4 @@
-"""HF architecture name -> model class; model loading and KV cache allocation."""
+"""HF architecture name -> model class; model loading."""
 
 from __future__ import annotations
 
@@ -46,30 +46,3 @@ def load_model(
     model = model_class_for(arch.architecture)(arch, dtype, device, kernels, layout, group)
     model.load_weights(folder)
     return model.eval(), arch
-
-
-def allocate_kv_caches(
-    arch: ModelArch,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    num_kv_heads: int | None = None,
-) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, num_kv_heads, block_size, head_dim] tensor per layer
-    (zeros, so padded reads of never-written slots stay finite); `num_kv_heads`
-    overrides the model's count with a tensor-parallel rank's share."""
-    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
-    shape = (2, num_blocks, heads, block_size, arch.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
-
-
-def copy_blocks(kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:
-    """Copy-on-write: block dst <- block src in every layer's cache, for (src, dst) pairs."""
-    if not copies:
-        return
-    device = kv_caches[0].device
-    src = torch.tensor([s for s, _ in copies], device=device)
-    dst = torch.tensor([d for _, d in copies], device=device)
-    for cache in kv_caches:
-        cache[:, dst] = cache[:, src]

@@ -1,17 +1,19 @@
 """Tensor-parallel ranks 1.. as Ray actors, driven step by step by rank 0.
 
-Rank 0 (the engine's process) decides everything: each step it broadcasts one
-`StepMessage` (block copies, adapter slot writes, the step's input tensors) and every
-rank runs the same forward on its shard; the collectives inside the model (all-reduce
-after row-parallel projections and the embedding, all-gather of the logits) keep the
-ranks in lockstep. Workers never schedule, sample or load adapters from disk.
+Rank 0 (the engine's process) decides everything: each step it broadcasts the step's
+`StepInputs` (input tensors, block copies, adapter slot writes; model_runner.py) and
+every rank runs it with the same `ModelRunner.run` on its shard; the collectives inside
+the model (all-reduce after row-parallel projections and the embedding, all-gather of
+the logits) keep the ranks in lockstep. Workers never schedule, sample or load adapters
+from disk.
 
     rank 0                                   rank r (TPWorker actor)
-    TPWorkers.start -> actors created        __init__: join the group, load shard, KV
-    ... group joined, shard loaded           run(): loop
-    runner.execute: send(StepMessage) -----> receive, copy blocks, write slots,
-                    forward (collectives) <-> forward (collectives), logits all-gather
-    shutdown: send(StepMessage(stop))  ----> return
+    TPWorkers.start -> actors created        __init__: cheap (started = placed)
+    ... group joined, shard loaded           setup(): join the group, load shard, KV,
+                                                      LoRA slots, its ModelRunner
+    runner.execute: send(StepInputs) ------> run(): receive, runner.write_slots,
+                    runner.run <-- collectives --> runner.run, receive the next ...
+    shutdown: broadcast STOP --------------> return
 
 Inside a Ray Serve replica whose deployment reserves one placement-group bundle per
 rank, worker r is placed in bundle r of the replica's group; elsewhere (offline `LLM`)
@@ -24,36 +26,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.slots import LoRASlots
-from loraplex.kernels.lora import LoRABatch
-from loraplex.platform.attention_metadata import AttentionMetadata
 from loraplex.platform.compute_threads import use_compute_threads
 from loraplex.platform.cpu_allocator import keep_freed_memory
-from loraplex.platform.models.registry import allocate_kv_caches, copy_blocks, load_model
+from loraplex.platform.kv_cache import allocate_kv_caches
+from loraplex.platform.model_runner import ModelRunner, StepInputs
+from loraplex.platform.models.registry import load_model
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class StepMessage:
-    """What every rank needs to run one step exactly as rank 0 does."""
-
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    slot_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)
-    input_ids: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-    meta: AttentionMetadata | None = None
-    lora: LoRABatch | None = None
-    sample_rows: torch.Tensor | None = None
-    stop: bool = False
+STOP = None
+"""What rank 0 broadcasts instead of a step's `StepInputs` to end the worker loops."""
 
 
 @dataclass(frozen=True)
@@ -109,54 +99,44 @@ class TPWorker:
         self.device = torch.device(spec.device)
 
     def setup(self) -> ShardMemory:
-        """Joins the group (rank 0 joins at the same time), loads this rank's shard and
-        allocates its KV cache; returns the shard's sizes."""
+        """Joins the group (rank 0 joins at the same time), loads this rank's shard,
+        allocates its KV cache and LoRA slots and builds its runner; returns the shard's
+        sizes."""
         spec, rank = self.spec, self.rank
         self.group = TPGroup.connect(rank, spec.size, spec.port, self.device, spec.timeout_s)
-        self.model, arch = load_model(
+        model, arch = load_model(
             spec.folder, spec.dtype, self.device, spec.kernels, rank, self.group
         )
         layout = TPLayout.create(arch, rank, spec.size)
-        self.kv_caches = allocate_kv_caches(
+        kv_caches = allocate_kv_caches(
             arch, spec.num_blocks, spec.block_size, spec.dtype, self.device, layout.num_kv_heads
         )
-        self.slots = None
+        slots = None
         if spec.max_loras > 0:
-            self.slots = LoRASlots(
-                self.model.lora_targets(), spec.max_loras, spec.max_lora_rank, spec.kernels
+            slots = LoRASlots(
+                model.lora_targets(), spec.max_loras, spec.max_lora_rank, spec.kernels
             )
+        self.runner = ModelRunner(model, kv_caches, spec.block_size, self.device, slots)
         logger.info("tensor-parallel rank %d/%d ready (pid %d)", rank, spec.size, os.getpid())
         return self.memory()
 
     def memory(self) -> ShardMemory:
-        weights, kv = model_weight_bytes(self.model), tensor_bytes(self.kv_caches)
+        runner = self.runner
+        weights, kv = model_weight_bytes(runner.model), tensor_bytes(runner.kv_caches)
         return ShardMemory(self.rank, weights, kv, os.getpid())
 
     @torch.inference_mode()
     def run(self) -> int:
-        """Serves steps until rank 0 says stop; returns the number of steps run."""
+        """Runs rank 0's steps until it sends `STOP`; returns the number of steps run."""
         use_compute_threads(self.spec.num_threads)
         steps = 0
         while True:
-            message: StepMessage = self.group.broadcast_object(None, idle_wait=True)
-            if message.stop:
+            inputs: StepInputs | None = self.group.broadcast_object(None, idle_wait=True)
+            if inputs is STOP:
                 return steps
-            self._execute(message)
+            self.runner.write_slots(inputs.slot_writes)
+            self.runner.run(inputs)
             steps += 1
-
-    def _execute(self, message: StepMessage) -> None:
-        copy_blocks(self.kv_caches, message.block_copies)
-        if message.slot_loads:
-            if self.slots is None:
-                raise RuntimeError("adapter slot write on a worker without LoRA slots")
-            for slot, adapter in message.slot_loads:
-                self.slots.load(adapter, slot)
-            self.slots.take_loads()
-        hidden = self.model(
-            message.input_ids, message.positions, self.kv_caches, message.meta, message.lora
-        )
-        if message.sample_rows is not None and message.sample_rows.numel():
-            self.model.compute_logits(hidden[message.sample_rows])
 
 
 def _wait_started(actors: list[Any], spec: WorkerSpec) -> None:
@@ -225,8 +205,9 @@ class TPWorkers:
         runs = [actor.run.remote() for actor in actors]
         return cls(group, actors, runs, memory)
 
-    def send(self, message: StepMessage) -> None:
-        self.group.broadcast_object(message)
+    def send(self, inputs: StepInputs) -> None:
+        """Hands the workers the step rank 0 is about to run (each runs it with rank 0)."""
+        self.group.broadcast_object(inputs)
 
     def check(self) -> None:
         """RuntimeError naming the rank when a worker's loop has ended (it died)."""
@@ -252,7 +233,7 @@ class TPWorkers:
         try:
             self.check()
             self._stopped = True
-            self.send(StepMessage(stop=True))
+            self.group.broadcast_object(STOP)
             ray.get(self._runs, timeout=10)
         except Exception as exc:
             logger.warning("tensor-parallel workers did not stop cleanly: %r", exc)

@@ -50,6 +50,8 @@ def test_register_unregister_and_bad_names(base, folders, tmp_path):
         store.unregister("mine")
     with pytest.raises(AdapterError, match="adapter name"):
         store.register("../escape", folders["alpha"])
+    with pytest.raises(AdapterError, match="must be 1-64 letters"):
+        store.register("a" * 65, folders["alpha"])
     with pytest.raises(AdapterError, match="does not exist"):
         store.register("ghost", tmp_path / "nowhere")
     with pytest.raises(AdapterError, match="unknown adapter 'ghost'"):

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from loraplex.kernels import cpu_ops
-from loraplex.kernels.torch_paged_attention import reference_paged_attention, write_kv
-from loraplex.platform.layers.layer_kernels import get_layer_kernels
-from loraplex.platform.layers.rotary import apply_rotary
+from loraplex.kernels.backends import get_backend
+from loraplex.kernels.reference import reference_paged_attention
+from loraplex.kernels.torch_layers import apply_rotary
+from loraplex.kernels.torch_paged_attention import write_kv
 
-torch_kernels = get_layer_kernels("torch")
+torch_kernels = get_backend("torch")
 HALF = [torch.bfloat16, torch.float16]
 ULP = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 

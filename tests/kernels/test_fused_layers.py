@@ -14,14 +14,15 @@ import os
 import pytest
 import torch
 
+from loraplex.kernels import torch_layers
+from loraplex.kernels.reference import reference_rotary_write_kv
 from loraplex.kernels.rms_norm import rms_norm
-from loraplex.kernels.rotary_kv import reference_rotary_write_kv, rotary_write_kv
+from loraplex.kernels.rotary_kv import rotary_write_kv
+from loraplex.kernels.torch_layers import apply_rotary
 from loraplex.kernels.torch_paged_attention import read_slots, write_kv
-from loraplex.platform.layers.layer_kernels import get_layer_kernels
 from loraplex.platform.layers.norm import RMSNorm
-from loraplex.platform.layers.rotary import apply_rotary
 
-reference_rms_norm = get_layer_kernels("torch").rms_norm
+reference_rms_norm = torch_layers.rms_norm
 """The torch path is the reference of the fused RMSNorm kernel."""
 DEVICE = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
 """Set by tests/conftest.py: 'cuda' on a GPU, else 'cpu' (the Triton interpreter)."""

@@ -28,11 +28,10 @@ from loraplex.kernels import triton_lora
 from loraplex.kernels.lora import (
     LoRABatch,
     cpu_add_lora,
-    reference_expand,
-    reference_shrink,
     torch_add_lora,
     triton_add_lora,
 )
+from loraplex.kernels.reference import reference_expand, reference_shrink
 
 DEVICE = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
 """Set by tests/conftest.py: 'cuda' on a GPU, else 'cpu' (the Triton interpreter)."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from loraplex.kernels import paged_attention as triton_attention
-from loraplex.kernels.torch_paged_attention import reference_paged_attention
+from loraplex.kernels.reference import reference_paged_attention
 
 DEVICE = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
 """Set by tests/conftest.py: 'cuda' on a GPU, else 'cpu' (the Triton interpreter)."""

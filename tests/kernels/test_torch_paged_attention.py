@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.backends import get_backend
+from loraplex.kernels.reference import reference_paged_attention
 from loraplex.kernels.torch_paged_attention import (
     decode_attention,
     prefill_attention,
     read_slots,
-    reference_paged_attention,
     write_kv,
 )
-from loraplex.platform.attention_metadata import AttentionMetadata
-from loraplex.platform.layers.layer_kernels import get_layer_kernels
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -117,7 +117,7 @@ def test_write_kv_places_tokens_in_their_slots():
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("num_decodes", [0, 3])
 def test_layer_kernels_mixed_step_matches_reference(num_decodes, backend):
-    """A step of decodes then prefill chunks through each LayerKernels.attention."""
+    """A step of decodes then prefill chunks through each kernel backend's attention."""
     gen = torch.Generator().manual_seed(3)
     num_heads, num_kv_heads = 4, 2
     decode_lens = [5, 8, 1][:num_decodes]
@@ -146,11 +146,11 @@ def test_layer_kernels_mixed_step_matches_reference(num_decodes, backend):
         prefill_block_tables=pad(tables[num_decodes:]),
     )
     write_kv(cache, k, v, meta.slot_mapping)
-    out = get_layer_kernels(backend).attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
+    out = get_backend(backend).attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
     expected = reference_paged_attention(q, cache, tables, all_lens, all_query, HEAD_DIM**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
 def test_unknown_backend_names_registered_ones():
     with pytest.raises(ValueError, match="torch"):
-        get_layer_kernels("nope")
+        get_backend("nope")

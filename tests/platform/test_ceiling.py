@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraplex.kernels.cache_dir import CACHE_DIR_ENV
 from loraplex.platform import bench, ceiling, gemm_probe
 from loraplex.platform.ceiling import FixedWorkload, StepRows, ideal_schedule
 from loraplex.platform.config import AUTO_DTYPE, EngineConfig, SchedulerConfig
 from loraplex.platform.gemm_probe import GemmTimes, Projection
 from loraplex.platform.llm import LLM
-from loraplex.platform.model_files import CACHE_DIR_ENV
 from loraplex.platform.request import SamplingParams
 from loraplex.platform.scheduler import Scheduler
 
@@ -111,7 +111,7 @@ def test_auto_prefers_fp32_unless_a_half_dtype_is_clearly_faster(
 
 
 def test_auto_is_the_default_and_the_engine_resolves_it(tiny_model_factory, quick_probe):
-    assert EngineConfig.create("m").model.dtype == AUTO_DTYPE
+    assert EngineConfig.from_options("m", {}).model.dtype == AUTO_DTYPE
     llm = LLM(str(tiny_model_factory("llama")), max_model_len=64)
     resolved = llm.engine.config.model.dtype
     assert resolved in gemm_probe.candidate_dtypes(torch.device("cpu"))
@@ -121,7 +121,7 @@ def test_auto_is_the_default_and_the_engine_resolves_it(tiny_model_factory, quic
 
 def test_an_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="unsupported dtype"):
-        EngineConfig.create("m", dtype="int8")
+        EngineConfig.from_options("m", {"dtype": "int8"})
 
 
 def test_bench_offline_reports_the_ceiling_and_the_engine_share(tiny_model_factory, quick_probe):

@@ -67,7 +67,9 @@ def test_kv_budget_too_small_fails_at_start_with_numbers(tiny_model_factory):
         )
     folder = str(tiny_model_factory("llama"))
     with pytest.raises(ValueError, match="KV cache budget too small: 1000 bytes"):
-        LLMEngine(EngineConfig.create(folder, max_model_len=64, kv_cache_memory_bytes=1000))
+        LLMEngine(
+            EngineConfig.from_options(folder, {"max_model_len": 64, "kv_cache_memory_bytes": 1000})
+        )
 
 
 def test_unknown_engine_option_is_a_type_error(tiny_model_factory):
@@ -307,7 +309,7 @@ def test_num_threads_sets_torch_threads(tiny_model_factory):
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="num_threads must be >= 1"):
-        EngineConfig.create(folder, num_threads=0)
+        EngineConfig.from_options(folder, {"num_threads": 0})
 
 
 STEP_THREAD_PROBE = """
@@ -318,7 +320,7 @@ from loraplex.platform.engine import LLMEngine
 
 gomp = next(line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line)
 omp_get_max_threads = ctypes.CDLL(gomp).omp_get_max_threads
-engine = LLMEngine(EngineConfig.create(sys.argv[1], max_model_len=32, num_threads=2))
+engine = LLMEngine(EngineConfig.from_options(sys.argv[1], {"max_model_len": 32, "num_threads": 2}))
 seen = []
 step = engine.step
 def recording_step():
@@ -382,7 +384,7 @@ def test_build_runs_every_step_on_the_thread_that_built_the_engine(tiny_model_fa
     monkeypatch.setattr(async_engine_module.LLMEngine, "__init__", init)
     monkeypatch.setattr(async_engine_module.LLMEngine, "warm_up", warm_up)
     monkeypatch.setattr(async_engine_module.LLMEngine, "step", step)
-    config = EngineConfig.create(str(tiny_model_factory("llama")), max_model_len=64)
+    config = EngineConfig.from_options(str(tiny_model_factory("llama")), {"max_model_len": 64})
     engine = AsyncEngine.build(config, warm_up=True)
 
     async def one() -> None:
@@ -399,8 +401,8 @@ def test_build_runs_every_step_on_the_thread_that_built_the_engine(tiny_model_fa
 
 
 def test_build_raises_what_building_raised(tiny_model_factory):
-    config = EngineConfig.create(
-        str(tiny_model_factory("llama")), max_model_len=64, kv_cache_memory_bytes=1
+    config = EngineConfig.from_options(
+        str(tiny_model_factory("llama")), {"max_model_len": 64, "kv_cache_memory_bytes": 1}
     )
     with pytest.raises(ValueError, match="KV"):
         AsyncEngine.build(config)

@@ -4,6 +4,7 @@ engine in place. Outputs of the other requests equal a clean run, token for toke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from loraplex.adapters.slots import LoRASlots
 from loraplex.deployments.protocol import CompletionRequest
 from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
+from loraplex.platform.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.llm import LLM
 from loraplex.platform.request import SamplingParams
@@ -122,6 +124,29 @@ def test_an_adapter_that_cannot_take_a_slot_fails_only_its_requests(setup, monke
     assert later.num_cached_tokens == 0
     monkeypatch.setattr(LoRASlots, "load", real_load)
     assert later.token_ids == run(make_llm(base), [prompt], GREEDY)[0].token_ids
+
+
+def test_a_detokenizing_failure_ends_only_its_group(setup, monkeypatch):
+    base, _, _ = setup
+    llm = make_llm(base)
+    clean = run(llm, PROMPTS, GREEDY)
+    real_append = IncrementalDetokenizer.append
+
+    def append(self, new_token_ids):
+        if self._ids[:CONTEXT_TOKENS] == POISON[-CONTEXT_TOKENS:]:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+        return real_append(self, new_token_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "append", append)
+    pair = dataclasses.replace(GREEDY, n=2)
+    outputs = run(llm, [*PROMPTS[:2], POISON, *PROMPTS[2:]], [GREEDY, GREEDY, pair, GREEDY, GREEDY])
+    failed = outputs[2]
+    assert failed.error is not None and not failed.error.client_fault
+    assert "detokenizing the output failed" in failed.error.message
+    assert [o.finish_reason for o in failed.outputs] == ["error", "error"]
+    assert [o.token_ids for o in outputs[:2] + outputs[3:]] == [o.token_ids for o in clean]
+    assert [o.text for o in outputs[:2] + outputs[3:]] == [o.text for o in clean]
+    assert all(o.error is None for o in outputs[:2] + outputs[3:])
 
 
 def test_a_shared_state_failure_resets_the_engine_in_place(setup):

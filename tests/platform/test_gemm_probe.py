@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from loraplex.kernels.cache_dir import CACHE_DIR_ENV
 from loraplex.platform import gemm_probe
 from loraplex.platform.gemm_probe import Projection, model_projections, probe_gemm_times
-from loraplex.platform.model_files import CACHE_DIR_ENV
 from loraplex.platform.models.arch import ModelArch
 
 TINY_PROJECTIONS = (

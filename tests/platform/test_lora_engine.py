@@ -191,7 +191,7 @@ def test_triton_lora_path_matches_torch_path(lora_setup, monkeypatch):
     for backend in ("torch", "triton"):
         monkeypatch.setenv("LORAPLEX_KERNEL_BACKEND", backend)
         llm = LLM(str(base), dtype="float32", max_model_len=128)
-        assert llm.engine.runner.lora_slots.projections[0].lora.backend == backend
+        assert llm.engine.runner.lora_slots.projections[0].lora_kernels.name == backend
         for name, folder in folders.items():
             llm.register_adapter(name, str(folder))
         results = llm.generate([p for p, _ in requests], params, [a for _, a in requests])

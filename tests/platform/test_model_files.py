@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.kernels.cache_dir import CACHE_DIR_ENV
 from loraplex.platform import model_files
 from loraplex.platform.model_files import (
-    CACHE_DIR_ENV,
     EMBEDDED_MODELS,
     EmbeddedModel,
     cache_root,

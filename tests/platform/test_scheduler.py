@@ -17,6 +17,7 @@ from loraplex.platform.config import SchedulerConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request, RequestStatus, SamplingParams
 from loraplex.platform.scheduler import Scheduler
+from loraplex.platform.stop import check_stop
 
 BLOCK = 4
 MAX_LEN = 24
@@ -32,7 +33,7 @@ def make_scheduler(
         enable_chunked_prefill=chunked,
         policy=policy,
     )
-    return Scheduler(config, kv, MAX_LEN, max_loras)
+    return Scheduler(config, kv, max_loras)
 
 
 def adapter(name: str) -> LoRAAdapter:
@@ -70,6 +71,10 @@ def step(scheduler, rng=None, token=1):
             for member in [item.request, *output.forks.get(item.request.request_id, ())]:
                 sampled[member.request_id] = (rng.randrange(8) if rng else token, None)
     updated = scheduler.update(output, sampled)
+    for request in updated:
+        stop = check_stop(request, MAX_LEN)
+        if stop is not None:
+            scheduler.finish(request, stop.status)
     scheduler.kv_cache.check_invariants()
     return output, updated
 

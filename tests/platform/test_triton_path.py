@@ -13,8 +13,8 @@ import random
 
 import pytest
 
+from loraplex.kernels.backends import CpuBackend, TritonBackend
 from loraplex.kernels.selection import KERNEL_BACKEND_ENV, kernel_backend
-from loraplex.platform.layers.layer_kernels import CpuLayerKernels, TritonLayerKernels
 from loraplex.platform.llm import LLM
 from loraplex.platform.request import SamplingParams
 
@@ -43,9 +43,9 @@ def generate(folder, backend: str, mode: dict, monkeypatch, device: str) -> list
         options.setdefault("kv_cache_memory_bytes", 256 << 20)  # not 10% of the GPU per engine
     llm = LLM(str(folder), **options)
     assert llm.engine.kernel_backend == backend
-    uses_triton = isinstance(llm.engine.runner.model.norm.kernels, TritonLayerKernels)
+    uses_triton = isinstance(llm.engine.runner.model.norm.kernels, TritonBackend)
     assert uses_triton == (backend == "triton")
-    uses_native = isinstance(llm.engine.runner.model.norm.kernels, CpuLayerKernels)
+    uses_native = isinstance(llm.engine.runner.model.norm.kernels, CpuBackend)
     assert uses_native == (backend == "cpu")
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate(prompts(512), params)

@@ -10,10 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.platform.attention_metadata import AttentionMetadata
-from loraplex.platform.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
+from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.torch_layers import apply_rotary
+from loraplex.platform.kv_cache import allocate_kv_caches
+from loraplex.platform.layers.rotary import RotaryEmbedding, compute_inv_freq
 from loraplex.platform.models.arch import ModelArch, RopeConfig
-from loraplex.platform.models.registry import allocate_kv_caches, load_model
+from loraplex.platform.models.registry import load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48

@@ -12,9 +12,10 @@ import torch
 
 from loraplex.adapters.peft_format import load_peft_adapter
 from loraplex.adapters.slots import LoRASlots
+from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora import LoRABatch
-from loraplex.platform.attention_metadata import AttentionMetadata
-from loraplex.platform.models.registry import allocate_kv_caches, load_model
+from loraplex.platform.kv_cache import allocate_kv_caches
+from loraplex.platform.models.registry import load_model
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout
 

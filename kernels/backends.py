@@ -1,0 +1,420 @@
+"""Kernel backends: one object per kernel family owns every kernel a model layer calls.
+`kernels/selection.py` picks the family for a device once; the layers call only the
+backend object they were built with.
+
+Semantics of the layer ops (shapes as the layers pass them):
+    rms_norm(x, residual, weight, eps) -> (normed, new residual)
+        x, residual [T, hidden]; roundings as torch_layers.rms_norm.
+    silu_and_mul(x) -> silu(gate) * up where gate, up = x.chunk(2, -1)
+        x [T, 2I] (the fused gate/up output) -> [T, I].
+    rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping) -> (q, k) rotated
+        q [T, H, Dh], k / v [T, Hkv, Dh], cos / sin [T, 1, Dh/2] in the model dtype;
+        also writes k (rotated) and v to their cache slots.
+    attention(q, k, v, kv_cache, meta, scale) -> out [T, H, Dh]
+        the step's tokens in the layout of attention_metadata.py; every token's K/V is
+        already in kv_cache [2, N, Hkv, B, Dh].
+
+And of the LoRA ops (layout in lora.py):
+    lora_stack(max_loras, max_rank, in_features, out_features, num_slices, dtype, device)
+        -> zeroed LoRAStack in this backend's layout and slot dtype (`dtype` is the
+        projection's weight dtype).
+    add_lora(out, x, stack, batch): out [T, out] += each token's adapter delta of
+        x [T, in], in place; nothing when the batch uses no adapter.
+
+Register another family with `@register_backend("name")`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from loraplex.kernels import torch_layers
+from loraplex.kernels import torch_paged_attention as torch_attention
+from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.lora import (
+    LoRABatch,
+    LoRAStack,
+    cpu_add_lora,
+    torch_add_lora,
+    triton_add_lora,
+)
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class KernelBackend(Protocol):
+    name: str
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def lora_stack(
+        self,
+        max_loras: int,
+        max_rank: int,
+        in_features: int,
+        out_features: int,
+        num_slices: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LoRAStack: ...
+
+    def add_lora(
+        self, out: torch.Tensor, x: torch.Tensor, stack: LoRAStack, batch: LoRABatch
+    ) -> None: ...
+
+
+_REGISTRY: dict[str, Callable[[], KernelBackend]] = {}
+_INSTANCES: dict[str, KernelBackend] = {}
+
+
+def register_backend(name: str) -> Callable[[type], type]:
+    """Class decorator: `get_backend(name)` builds (once) and returns this class."""
+
+    def register(cls: type) -> type:
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def get_backend(name: str) -> KernelBackend:
+    """The shared (stateless) backend called `name`; ValueError naming the registered
+    ones."""
+    if name not in _INSTANCES:
+        try:
+            factory = _REGISTRY[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown kernel backend {name!r}; registered: {sorted(_REGISTRY)}"
+            ) from None
+        _INSTANCES[name] = factory()
+    return _INSTANCES[name]
+
+
+@register_backend("torch")
+class TorchBackend:
+    """Plain torch ops: the reference path, and the CPU path where the native kernels
+    cannot be built. A half-precision model keeps its adapter slots in fp32, as PEFT
+    keeps adapter weights: tiny fp32 matmuls cost less per call on a CPU, and the delta
+    is rounded only once."""
+
+    name = "torch"
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch_layers.rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_layers.silu_and_mul(x)
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = torch_layers.apply_rotary(q, cos, sin), torch_layers.apply_rotary(k, cos, sin)
+        torch_attention.write_kv(kv_cache, k, v, slot_mapping)
+        return q, k
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Vectorized decodes, then SDPA over the prefill chunks (torch_paged_attention)."""
+        num_decodes = meta.num_decode_tokens
+        if meta.num_prefills == 0:
+            return torch_attention.decode_attention(
+                q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.cache
+            )
+        prefill_out = torch_attention.prefill_attention(
+            q[num_decodes:],
+            k[num_decodes:],
+            v[num_decodes:],
+            kv_cache,
+            meta.prefill_block_tables,
+            meta.prefill_query_lens,
+            meta.prefill_seq_lens,
+            scale,
+            meta.cache,
+        )
+        if num_decodes == 0:
+            return prefill_out
+        decode_out = torch_attention.decode_attention(
+            q[:num_decodes],
+            kv_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            meta.cache,
+        )
+        return torch.cat((decode_out, prefill_out), dim=0)
+
+    def lora_stack(
+        self,
+        max_loras: int,
+        max_rank: int,
+        in_features: int,
+        out_features: int,
+        num_slices: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LoRAStack:
+        width = num_slices * max_rank
+        dtype = torch.float32 if dtype in _HALF else dtype
+        return LoRAStack(
+            a=torch.zeros(max_loras, width, in_features, dtype=dtype, device=device),
+            b=self._zeros_b(max_loras, out_features, width, dtype, device),
+            num_slices=num_slices,
+        )
+
+    def _zeros_b(
+        self,
+        max_loras: int,
+        out_features: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        return torch.zeros(max_loras, out_features, width, dtype=dtype, device=device)
+
+    def add_lora(
+        self, out: torch.Tensor, x: torch.Tensor, stack: LoRAStack, batch: LoRABatch
+    ) -> None:
+        if not batch.empty:
+            torch_add_lora(out, x, stack.a, stack.b, batch, stack.num_slices)
+
+
+@register_backend("cpu")
+class CpuBackend(TorchBackend):
+    """The torch path with its hot spots in native code (kernels/cpu_ops.py): fused
+    RMSNorm + residual, SiLU-and-mul, rotary + cache write in place, paged attention
+    reading each K/V block where it lies instead of gathering a batch copy, and LoRA
+    over fp32 slots whose B is stored rank-major."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from loraplex.kernels import cpu_ops
+
+        cpu_ops.ops()  # builds or loads them now; RuntimeError if impossible here
+        self._ops = cpu_ops
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._ops.rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.silu_and_mul(x)
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ops.rotary_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), kv_cache, slot_mapping)
+        return q, k
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Every token through the native paged kernel: a prefill token at position a
+        attends like a decode of length a + 1 over its sequence's block table (its
+        chunk's K/V are already in the cache), so chunks with and without cached prefix
+        need no gather, and CPU SDPA's slow small-chunk shapes are avoided."""
+        out = q.new_empty(q.shape)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            self._ops.paged_decode_attention(
+                q[:num_decodes],
+                kv_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                out[:num_decodes],
+            )
+        if meta.num_prefills:
+            tables, lens = prefill_rows_as_decodes(meta)
+            self._ops.paged_decode_attention(
+                q[num_decodes:], kv_cache, tables, lens, scale, out[num_decodes:]
+            )
+        return out
+
+    def _zeros_b(
+        self,
+        max_loras: int,
+        out_features: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        rank_major = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
+        return rank_major.transpose(1, 2)
+
+    def add_lora(
+        self, out: torch.Tensor, x: torch.Tensor, stack: LoRAStack, batch: LoRABatch
+    ) -> None:
+        if not batch.empty:
+            cpu_add_lora(out, x, stack.a, stack.b, batch, stack.num_slices)
+
+
+@register_backend("triton")
+class TritonBackend(TorchBackend):
+    """Fused RMSNorm + residual, fused rotary + cache write, paged attention that reads
+    K/V in place from the cache (kernels/rms_norm.py, rotary_kv.py, paged_attention.py),
+    and BGMV / SGMV LoRA over slots in the model's dtype (triton_lora.py). Decodes and
+    prefill chunks write into one output tensor."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from loraplex.kernels import paged_attention, rms_norm, rotary_kv
+
+        self._attention = paged_attention
+        self._rms_norm = rms_norm.rms_norm
+        self._rotary_write_kv = rotary_kv.rotary_write_kv
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rms_norm(x, residual, weight, eps)
+
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._rotary_write_kv(q, k, v, cos.squeeze(1), sin.squeeze(1), kv_cache, slot_mapping)
+        return q, k
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            self._attention.decode_attention(
+                q[:num_decodes],
+                kv_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                out=out[:num_decodes],
+                scratch=meta.cache,
+            )
+        if meta.num_prefills:
+            self._attention.prefill_attention(
+                q[num_decodes:],
+                kv_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_lens,
+                meta.prefill_seq_lens,
+                scale,
+                out=out[num_decodes:],
+                scratch=meta.cache,
+            )
+        return out
+
+    def lora_stack(
+        self,
+        max_loras: int,
+        max_rank: int,
+        in_features: int,
+        out_features: int,
+        num_slices: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LoRAStack:
+        width = num_slices * max_rank
+        return LoRAStack(
+            a=torch.zeros(max_loras, width, in_features, dtype=dtype, device=device),
+            b=torch.zeros(max_loras, out_features, width, dtype=dtype, device=device),
+            num_slices=num_slices,
+        )
+
+    def add_lora(
+        self, out: torch.Tensor, x: torch.Tensor, stack: LoRAStack, batch: LoRABatch
+    ) -> None:
+        if not batch.empty:
+            triton_add_lora(out, x, stack.a, stack.b, batch)
+
+
+_PREFILL_TABLES = "cpu_prefill_tables"
+_PREFILL_LENS = "cpu_prefill_lens"
+
+
+def prefill_rows_as_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per prefill token: its sequence's block table row [Tp, W] and the number of keys
+    it sees [Tp] (position + 1), computed once per step (in `meta.cache`)."""
+    if _PREFILL_TABLES not in meta.cache:
+        device = meta.prefill_block_tables.device
+        query_lens = torch.tensor(meta.prefill_query_lens, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(meta.prefill_seq_lens, dtype=torch.int64, device=device)
+        tables = meta.prefill_block_tables.repeat_interleave(query_lens, dim=0)
+        first_lens = (seq_lens - query_lens + 1).repeat_interleave(query_lens)
+        chunk_starts = (query_lens.cumsum(0) - query_lens).repeat_interleave(query_lens)
+        index = torch.arange(int(query_lens.sum()), device=device)
+        meta.cache[_PREFILL_TABLES] = tables
+        meta.cache[_PREFILL_LENS] = first_lens + index - chunk_starts
+    return meta.cache[_PREFILL_TABLES], meta.cache[_PREFILL_LENS]

@@ -1,0 +1,39 @@
+"""The chat-template helper every prompt-from-messages path uses (CLI, LLM.chat, the
+served chat endpoint through AsyncEngine.prompt_ids)."""
+
+import copy
+
+import pytest
+
+from loraplex.platform.llm import LLM
+from loraplex.platform.tokenizer import apply_chat_template, has_chat_template, load_tokenizer
+
+MESSAGES = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]
+
+
+def test_messages_render_through_the_template_with_the_turn_opened(tiny_model_factory):
+    tokenizer = load_tokenizer(tiny_model_factory("llama"))
+    assert has_chat_template(tokenizer)
+    # The tiny template joins the contents and opens the turn with 'w1'.
+    assert apply_chat_template(tokenizer, MESSAGES) == tokenizer.encode("w5 w6 w7 w1")
+
+
+def test_a_tokenizer_without_a_template_is_a_clear_value_error(tiny_model_factory):
+    tokenizer = copy.deepcopy(load_tokenizer(tiny_model_factory("llama")))
+    tokenizer.chat_template = None
+    assert not has_chat_template(tokenizer)
+    with pytest.raises(ValueError, match="tokenizer has no chat template"):
+        apply_chat_template(tokenizer, MESSAGES)
+
+
+def test_every_caller_builds_the_same_prompt(tiny_model_factory):
+    from loraplex.platform.async_engine import AsyncEngine
+
+    llm = LLM(str(tiny_model_factory("llama")), max_model_len=64, dtype="float32")
+    expected = apply_chat_template(llm.tokenizer, MESSAGES)
+    assert llm.chat_prompt_ids(MESSAGES) == expected
+    engine = AsyncEngine(llm.engine)
+    try:
+        assert engine.prompt_ids(None, MESSAGES) == expected
+    finally:
+        engine.shutdown()

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_LINE = re.compile(r"^\s*engine: .* = ([0-9.]+) generated tokens/s", re.MULTILINE)
+ENGINE_LINE = re.compile(r"^\s*loraplex: .* = ([0-9.]+) generated tokens/s", re.MULTILINE)
 logger = logging.getLogger("bench_ab")
 
 
@@ -54,8 +54,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rev", help="the commit to compare against (before)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("options", nargs="*", help="bench offline options (after --)")
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.options = argv[split + 1 :]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         tree, shim = Path(tmp) / "tree", Path(tmp) / "shim"

@@ -85,6 +85,9 @@ async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
 
 
 async def parse_body(request: Request, schema: type[Body]) -> Body:
+    """The body validated against `schema`; a 4xx OpenAIError for anything else: too
+    large, not UTF-8 JSON, nested past the parser's depth, strings that are not Unicode
+    text (a lone UTF-16 surrogate escape such as "\\ud800"), or schema violations."""
     body = await request.body()
     if len(body) > MAX_BODY_BYTES:
         raise OpenAIError(413, f"request body over {MAX_BODY_BYTES} bytes")
@@ -92,14 +95,45 @@ async def parse_body(request: Request, schema: type[Body]) -> Body:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise OpenAIError(400, f"request body is not valid UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise OpenAIError(400, "request body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "request body must be a JSON object")
+    surrogate = first_lone_surrogate(data)
+    if surrogate is not None:
+        raise OpenAIError(
+            400,
+            f"request body has a string with a lone UTF-16 surrogate ({surrogate!a}), "
+            "which is not Unicode text",
+        )
     try:
         return schema.model_validate(data)
+    except RecursionError:
+        raise OpenAIError(400, "request body nests JSON arrays or objects too deeply") from None
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise OpenAIError(400, f"{param}: {first['msg']}", param=param) from None
+
+
+def first_lone_surrogate(data: object) -> str | None:
+    """The first lone surrogate code point in any string (key or value) of parsed JSON,
+    or None. JSON's \\uXXXX escapes can spell them; no UTF-8 text can, so a tokenizer
+    may fail on them. Walks iteratively (the depth json.loads allows)."""
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return item[exc.start]
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return None
 
 
 def _catalog_error(exc: CatalogError) -> OpenAIError:

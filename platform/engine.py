@@ -44,7 +44,7 @@ from loraplex.platform.parallel.workers import (
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
 from loraplex.platform.scheduler import Scheduler, SchedulerOutput
 from loraplex.platform.stop import check_stop
-from loraplex.platform.tokenizer import eos_token_ids, load_tokenizer
+from loraplex.platform.tokenizer import encode_text, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            return encode_text(self.tokenizer, prompt)
         return [int(t) for t in prompt]
 
     def make_request_group(

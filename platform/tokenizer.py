@@ -44,16 +44,35 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def _input_errors() -> tuple[type[Exception], ...]:
+    """What a tokenizer or a chat template raises on text it cannot take (a lone
+    surrogate, a role or message layout the template refuses): the input's fault."""
+    from jinja2 import TemplateError
+
+    return (TypeError, ValueError, UnicodeError, TemplateError)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """The token ids of `text`; ValueError when the tokenizer cannot take it."""
+    try:
+        return list(tokenizer.encode(text))
+    except _input_errors() as exc:
+        raise ValueError(f"the prompt cannot be tokenized: {exc}") from None
+
+
 def apply_chat_template(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     """The prompt ids of chat `messages` (role / content dicts) through the tokenizer's
     chat template, with the assistant's turn opened. ValueError when the tokenizer has
-    no chat template."""
+    no chat template or the template or tokenizer cannot take the messages."""
     if not has_chat_template(tokenizer):
         raise ValueError("this model's tokenizer has no chat template")
-    encoded = tokenizer.apply_chat_template(
-        [dict(message) for message in messages],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
+    try:
+        encoded = tokenizer.apply_chat_template(
+            [dict(message) for message in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )
+    except _input_errors() as exc:
+        raise ValueError(f"the messages cannot be put through the chat template: {exc}") from None
     return list(encoded["input_ids"])

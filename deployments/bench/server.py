@@ -1,9 +1,10 @@
 """Starts `serve run CONFIG` for a benchmark and stops it afterwards.
 
 The app runs in its own process session (so a terminal's Ctrl-C reaches the bench, not
-the app) and is stopped with SIGTERM, which `serve run` handles whatever signal
-dispositions it inherited; a process group still alive after the grace period is
-killed. Ready means `/health` answers and `/v1/models` lists the models."""
+the app) with SIGINT and SIGTERM at their default dispositions whatever the bench
+inherited (`default_stop_signals`), and is stopped with SIGTERM; a process group still
+alive after the grace period is killed. Ready means `/health` answers and `/v1/models`
+lists the models."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ from types import TracebackType
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 60.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def default_stop_signals() -> None:
+    """`preexec_fn` for a child that must stop on SIGINT and SIGTERM: resets both to
+    their default disposition in the child. A process started with a signal ignored
+    keeps ignoring it (a background job of a non-interactive shell ignores SIGINT, and
+    Python then installs no KeyboardInterrupt handler), so a `serve run` started from
+    such a parent would never stop on Ctrl-C."""
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_DFL)
 
 
 def _get(url: str, api_key: str | None) -> int:
@@ -68,6 +80,7 @@ class ServeApp:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=default_stop_signals,
         )
         log.close()
         try:

@@ -112,6 +112,59 @@ def test_malformed_bodies_are_400_with_openai_error_json(serve_url, body):
     assert payload["error"]["message"]
 
 
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", DEEP),
+        ("/v1/completions", b'{"model": "tiny", "prompt": ' + DEEP + b"}"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": ' + DEEP + b"}"),
+    ],
+    ids=["bare", "prompt", "messages"],
+)
+def test_deeply_nested_json_is_400_with_openai_error_json(serve_url, path, body):
+    """100,000 nested arrays exhaust the JSON parser's recursion (RecursionError): the
+    ingress answers 400 in OpenAI error JSON, not a 500."""
+    status, payload = post_raw(f"{serve_url}{path}", body)
+    assert status == 400, payload
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert "too deeply" in payload["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        ),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "w1 \\udfff w2", "max_tokens": 2}'),
+        (
+            "/v1/completions",
+            b'{"model": "tiny", "prompt": "w1", "stop": ["\\ud83d"], "max_tokens": 2}',
+        ),
+    ],
+    ids=["chat-content", "prompt", "stop"],
+)
+def test_lone_surrogates_are_400_not_a_replica_failure(serve_url, path, body):
+    """JSON can spell a lone UTF-16 surrogate; no UTF-8 text can, and the tokenizer
+    raises on it. Bad input is a 400 naming the problem, never a 503 'replica failed'."""
+    status, payload = post_raw(f"{serve_url}{path}", body)
+    assert status == 400, payload
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert "surrogate" in payload["error"]["message"]
+
+
+def test_a_surrogate_pair_is_text_and_is_served(serve_url):
+    """A pair of surrogate escapes is one astral character (U+1F600): valid text."""
+    body = b'{"model": "tiny", "prompt": "w1 \\ud83d\\ude00", "max_tokens": 2}'
+    status, payload = post_raw(f"{serve_url}/v1/completions", body)
+    assert status == 200, payload
+    assert payload["usage"]["completion_tokens"] == 2
+
+
 def test_health(serve_url):
     with urllib.request.urlopen(f"{serve_url}/health", timeout=10) as response:
         assert json.loads(response.read()) == {"status": "ok"}

@@ -1,6 +1,8 @@
 """The README's quick start, for real: `serve run serve_config.yaml` from the repository
 root starts the platform on the embedded default model; the demo tenant chats with it
-(base and a demo adapter) through the `openai` SDK; Ctrl-C stops it cleanly."""
+(base and a demo adapter) through the `openai` SDK; Ctrl-C stops it cleanly, even when
+the parent ignores SIGINT (a background job of a non-interactive shell, some CI runners):
+the child gets the default dispositions back (`default_stop_signals`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import openai
 import pytest
+
+from loraplex.deployments.bench.server import default_stop_signals
 
 REPO = Path(__file__).resolve().parents[2]
 URL = "http://127.0.0.1:8000"
@@ -36,14 +40,19 @@ def test_serve_run_serve_config_answers_chat_and_stops_cleanly(tmp_path):
     log = (tmp_path / "serve-run.log").open("w")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    process = subprocess.Popen(
-        [str(serve_cli), "run", "serve_config.yaml"],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worst parent
+    try:
+        process = subprocess.Popen(
+            [str(serve_cli), "run", "serve_config.yaml"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=default_stop_signals,
+        )
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         deadline = time.monotonic() + 420
         while not _healthy():

@@ -6,7 +6,12 @@ import copy
 import pytest
 
 from loraplex.platform.llm import LLM
-from loraplex.platform.tokenizer import apply_chat_template, has_chat_template, load_tokenizer
+from loraplex.platform.tokenizer import (
+    apply_chat_template,
+    encode_text,
+    has_chat_template,
+    load_tokenizer,
+)
 
 MESSAGES = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]
 
@@ -37,3 +42,17 @@ def test_every_caller_builds_the_same_prompt(tiny_model_factory):
         assert engine.prompt_ids(None, MESSAGES) == expected
     finally:
         engine.shutdown()
+
+
+def test_text_the_tokenizer_cannot_take_is_a_value_error(tiny_model_factory):
+    """A lone UTF-16 surrogate (valid in JSON as "\\ud800") makes the fast tokenizer
+    raise TypeError; callers must see the input's fault (ValueError -> 400), not a
+    crash of the model replica."""
+    tokenizer = load_tokenizer(tiny_model_factory("llama"))
+    with pytest.raises(TypeError):
+        tokenizer.encode("w1 \ud800")
+    with pytest.raises(ValueError, match="cannot be tokenized"):
+        encode_text(tokenizer, "w1 \ud800")
+    with pytest.raises(ValueError, match="chat template"):
+        apply_chat_template(tokenizer, [{"role": "user", "content": "\ud800"}])
+    assert encode_text(tokenizer, "w5 w6") == tokenizer.encode("w5 w6")

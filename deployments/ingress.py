@@ -27,18 +27,21 @@ import dataclasses
 import json
 import logging
 import time
+import types
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import PlatformConfig
@@ -46,6 +49,7 @@ from loraplex.deployments.errors import OpenAIError, error_response
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import TENANT_LABELS, IngressMetrics, render_prometheus
 from loraplex.deployments.model_server import GenerateCall, GenerateError, StreamStep
+from loraplex.deployments.openapi import openapi_document
 from loraplex.deployments.protocol import (
     AdapterCard,
     AdapterList,
@@ -77,11 +81,42 @@ READY_PROBE_TIMEOUT_S = 2.0
 Body = TypeVar("Body", bound=BaseModel)
 
 app = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
+REQUEST_BODIES = {
+    ("/v1/completions", "post"): CompletionRequest,
+    ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/v1/adapters", "post"): RegisterAdapterRequest,
+}
+"""The bodies the POST handlers parse themselves (`parse_body`), for /openapi.json."""
+
+
+def _openapi(served: FastAPI) -> dict:
+    if served.openapi_schema is None:
+        served.openapi_schema = openapi_document(served, REQUEST_BODIES)
+    return served.openapi_schema
+
+
+app.openapi = types.MethodType(_openapi, app)
 
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
     return error_response(exc)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own answers (no such route: 404, wrong method: 405) in OpenAI error
+    JSON too, keeping their headers (a 405's `Allow`)."""
+    response = error_response(OpenAIError(exc.status_code, str(exc.detail)))
+    response.headers.update(exc.headers or {})
+    return response
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    param = ".".join(str(p) for p in first["loc"]) or None
+    return error_response(OpenAIError(400, f"{param}: {first['msg']}", param=param))
 
 
 async def parse_body(request: Request, schema: type[Body]) -> Body:

@@ -27,17 +27,20 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 BenchCommand = Callable[[argparse._SubParsersAction], None]
-"""Adds one more `loraplex bench <kind>` (packages above the engine bring their own)."""
+"""Adds one more `loraplex bench <kind>` or `loraplex <command>` (packages above the
+engine bring their own)."""
 
 
-def build_parser(bench_commands: Sequence[BenchCommand] = ()) -> argparse.ArgumentParser:
+def build_parser(
+    bench_commands: Sequence[BenchCommand] = (), commands: Sequence[BenchCommand] = ()
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loraplex", description="Multi-tenant, multi-LoRA LLM serving."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    commands = parser.add_subparsers(dest="command", required=True)
+    command_parsers = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="stream a completion for one prompt")
+    generate = command_parsers.add_parser("generate", help="stream a completion for one prompt")
     generate.add_argument("prompt", help="the prompt (or the user message with --chat)")
     _add_model_options(generate)
     generate.add_argument("--max-tokens", type=int, default=128)
@@ -50,7 +53,7 @@ def build_parser(bench_commands: Sequence[BenchCommand] = ()) -> argparse.Argume
     )
     generate.set_defaults(handler=run_generate)
 
-    bench = commands.add_parser("bench", help="benchmarks")
+    bench = command_parsers.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
     offline = bench_kinds.add_parser("offline", help="offline throughput on a fixed workload")
     _add_model_options(offline)
@@ -93,6 +96,8 @@ def build_parser(bench_commands: Sequence[BenchCommand] = ()) -> argparse.Argume
     offline.set_defaults(handler=run_bench_offline)
     for add_command in bench_commands:
         add_command(bench_kinds)
+    for add_command in commands:
+        add_command(command_parsers)
     return parser
 
 
@@ -165,8 +170,12 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, bench_commands: Sequence[BenchCommand] = ()) -> int:
-    args = build_parser(bench_commands).parse_args(argv)
+def main(
+    argv: Sequence[str] | None = None,
+    bench_commands: Sequence[BenchCommand] = (),
+    commands: Sequence[BenchCommand] = (),
+) -> int:
+    args = build_parser(bench_commands, commands).parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -31,6 +31,9 @@ from loraplex.platform.request import Logprob, Request
 
 MIN_TEMPERATURE = 1e-5
 """Smaller temperatures are raised to this, so logits / temperature stays finite."""
+MIN_REPETITION_PENALTY = 1e-5
+"""Smaller repetition penalties are raised to this, so logits / penalty stays finite (a
+double such as 5e-324 passes `> 0` and is 0 in float32)."""
 INVALID_TOKEN = -1
 """The token id reported for a row whose logits are not finite."""
 
@@ -123,7 +126,9 @@ class SamplingBatch:
         params = [request.sampling_params for request in requests]
         if any(p.repetition_penalty != 1.0 for p in params):
             self.repetition_penalty = _column(
-                [p.repetition_penalty for p in params], torch.float32, device
+                [max(p.repetition_penalty, MIN_REPETITION_PENALTY) for p in params],
+                torch.float32,
+                device,
             )
             self.seen_token_ids = _pad(
                 [
@@ -230,7 +235,9 @@ def apply_top_k_top_p(
     if top_p is not None:
         probs = best.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        # The most likely token always stays, also for a top_p that rounds to 0 in
+        # float32 (a double denormal such as 5e-324 passes `top_p > 0`).
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1) & (rank > 0)
         best = best.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, best)
 

@@ -73,8 +73,9 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
         SamplingParams(temperature=1.5, top_k=1),
         SamplingParams(temperature=1.5, top_p=1e-6),
         SamplingParams(temperature=1.5, min_p=1.0),
+        SamplingParams(temperature=1.5, top_p=5e-324, logprobs=2, repetition_penalty=3.0),
     ],
-    ids=["top_k=1", "tiny top_p", "min_p=1"],
+    ids=["top_k=1", "tiny top_p", "min_p=1", "top_p 0 in float32 (found by the fuzzer)"],
 )
 def test_degenerate_filters_are_greedy(params):
     logits = random_logits(8, seed=2)
@@ -82,6 +83,23 @@ def test_degenerate_filters_are_greedy(params):
         requests = [make_request(params, name=f"r{i}") for i in range(8)]
         torch.manual_seed(seed)
         assert sample(logits, requests).token_ids == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_repetition_penalty_of_float32_zero_samples_a_seen_token(temperature):
+    """5e-324 passes `> 0` but is 0 in float32: the penalty must not turn the seen
+    tokens' logits into inf / NaN (an out-of-range token id; found by the fuzzer)."""
+    logits = random_logits(4, seed=7, vocab=512)
+    params = SamplingParams(temperature=temperature, repetition_penalty=5e-324, logprobs=2)
+    requests = [make_request(params, prompt=[3, 5], name=f"r{i}") for i in range(4)]
+    out = sample(logits, requests)
+    assert out.invalid_rows == []
+    assert all(0 <= token < 512 for token in out.token_ids), out.token_ids
+    if temperature == 0.0:
+        seen = logits[:, [3, 5]]
+        penalized = logits.clone()
+        penalized[:, [3, 5]] = torch.where(seen > 0, seen / 1e-5, seen * 1e-5)
+        assert out.token_ids == penalized.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("max_top_k", [0, 2, 3])

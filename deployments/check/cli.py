@@ -1,0 +1,73 @@
+"""`loraplex check fuzz`: the fuzz suite against any loraplex URL; prints the summary
+table, writes it with every unexpected answer as JSON, exits 1 on any unexpected
+answer."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Adds `check` (with `fuzz`) to the `loraplex` command."""
+    check = commands.add_parser("check", help="probe a running app (fuzz)")
+    suites = check.add_subparsers(dest="suite", required=True)
+    fuzz = suites.add_parser("fuzz", help="schemathesis + hand list + slow client")
+    fuzz.add_argument("--url", default="http://127.0.0.1:8000", help="app root")
+    fuzz.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="a tenant key ($OPENAI_API_KEY)"
+    )
+    fuzz.add_argument("--model", default="smollm2-135m-instruct", help="a base model it serves")
+    fuzz.add_argument(
+        "--examples", type=int, default=100, help="generated requests per operation and mode"
+    )
+    fuzz.add_argument("--output-dir", type=Path, default=None, help="write check_fuzz.json here")
+    fuzz.set_defaults(handler=run_check_fuzz)
+
+
+def run_check_fuzz(args: argparse.Namespace) -> int:
+    from loraplex.deployments.check.fuzz import run_fuzz
+
+    if not args.api_key:
+        sys.stderr.write("loraplex check fuzz: --api-key (or $OPENAI_API_KEY) is required\n")
+        return 2
+    with tqdm(desc="fuzz", unit="step") as bar:
+
+        def progress(step: str) -> None:
+            bar.set_postfix_str(step[:60])
+            bar.update()
+
+        report = run_fuzz(args.url, args.api_key, args.model, args.examples, progress)
+    sys.stdout.write(report.table() + "\n")
+    for line in report.unexpected:
+        sys.stdout.write(f"UNEXPECTED {line}\n")
+    for line in report.errors:
+        sys.stdout.write(f"not generated: {line}\n")
+    if args.output_dir is not None:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        path = args.output_dir / "check_fuzz.json"
+        payload = {
+            "url": report.url,
+            "requests": report.requests,
+            "unexpected": report.unexpected,
+            "errors": report.errors,
+            "tallies": {
+                name: {
+                    **dataclasses.asdict(t),
+                    "statuses": {str(k): v for k, v in t.statuses.items()},
+                }
+                for name, t in report.tallies.items()
+            },
+        }
+        path.write_text(json.dumps(payload, indent=2))
+        logger.info("wrote %s", path)
+    return 1 if report.unexpected else 0

@@ -361,13 +361,16 @@ class OpenAIIngress:
         except RateLimited as exc:
             self.metrics.record(tenant.name, 429)
             raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
+        self._record_usage(tenant)
         accumulator = ChoiceAccumulator(call.request_id, body.model, chat, call.params.n)
         try:
             steps, first = await self._start(route, call)
         except BaseException:
             self.limits.release(tenant, 0, reserved)
+            self._record_usage(tenant)
             raise
         reserved = self.limits.settle(tenant, reserved, first.worst_case_tokens)
+        self._record_usage(tenant)
         logger.info(
             "request %s tenant=%s model=%s stream=%s",
             call.request_id,
@@ -417,7 +420,12 @@ class OpenAIIngress:
     def _finish(self, tenant: Tenant, accumulator: ChoiceAccumulator, reserved: int) -> None:
         output_tokens = sum(accumulator.completion_tokens)
         self.limits.release(tenant, accumulator.prompt_tokens + output_tokens, reserved)
+        self._record_usage(tenant)
         self.metrics.record(tenant.name, 200, accumulator.prompt_tokens, output_tokens)
+
+    def _record_usage(self, tenant: Tenant) -> None:
+        in_flight, reserved = self.limits.in_use(tenant)
+        self.metrics.record_usage(tenant.name, in_flight, reserved)
 
     async def _stream(
         self,

@@ -152,7 +152,23 @@ class IngressMetrics:
             "Tokens per tenant (prompt, generation)",
             ("tenant", "kind"),
         )
+        self.in_flight = metrics.Gauge(
+            "loraplex_tenant_requests_in_flight",
+            "Requests a tenant has admitted and not yet finished (its concurrency limit's count)",
+            ("tenant",),
+        )
+        self.reserved = metrics.Gauge(
+            "loraplex_tenant_tokens_reserved",
+            "Worst-case tokens reserved for a tenant's requests in flight",
+            ("tenant",),
+        )
         self.tenant_label = BoundedLabel()
+
+    def record_usage(self, tenant: str, in_flight: int, reserved: int) -> None:
+        """A tenant's rate-limit counters after an admission, settlement or release."""
+        name = self.tenant_label(tenant)
+        self.in_flight.set(in_flight, {"tenant": name})
+        self.reserved.set(reserved, {"tenant": name})
 
     def record(self, tenant: str, status: int, prompt_tokens: int = 0, output_tokens: int = 0):
         name = self.tenant_label(tenant)

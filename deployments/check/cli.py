@@ -1,6 +1,6 @@
-"""`loraplex check fuzz`: the fuzz suite against any loraplex URL; prints the summary
-table, writes it with every unexpected answer as JSON, exits 1 on any unexpected
-answer."""
+"""`loraplex check fuzz | soak` against any loraplex URL: prints a summary (fuzz: a table
+per operation, optionally JSON with every unexpected answer), exits 1 on any unexpected
+answer (soak: or a gauge not back to zero once idle)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     fuzz.add_argument("--output-dir", type=Path, default=None, help="write check_fuzz.json here")
     fuzz.set_defaults(handler=run_check_fuzz)
+    soak = suites.add_parser("soak", help="mixed traffic with aborts and adapter churn")
+    soak.add_argument("--url", default="http://127.0.0.1:8000", help="app root")
+    soak.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="a tenant key ($OPENAI_API_KEY)"
+    )
+    soak.add_argument("--operator-key", required=True, help="reads /metrics afterwards")
+    soak.add_argument("--requests", type=int, default=5000)
+    soak.add_argument("--concurrency", type=int, default=32)
+    soak.add_argument("--abort-fraction", type=float, default=0.15)
+    soak.add_argument(
+        "--churn-base", default=None, help="base model to register churned adapters on"
+    )
+    soak.add_argument(
+        "--churn-path", default=None, help="adapter folder under the tenant's root to churn"
+    )
+    soak.set_defaults(handler=run_check_soak)
 
 
 def run_check_fuzz(args: argparse.Namespace) -> int:
@@ -71,3 +87,23 @@ def run_check_fuzz(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(payload, indent=2))
         logger.info("wrote %s", path)
     return 1 if report.unexpected else 0
+
+
+def run_check_soak(args: argparse.Namespace) -> int:
+    from loraplex.deployments.check.fuzz import served_models
+    from loraplex.deployments.check.soak import SoakPlan, run_soak
+
+    plan = SoakPlan(
+        num_requests=args.requests,
+        concurrency=args.concurrency,
+        models=tuple(served_models(args.url, args.api_key)),
+        abort_fraction=args.abort_fraction,
+        churn_base=args.churn_base,
+        churn_path=args.churn_path,
+    )
+    with tqdm(total=plan.num_requests, desc="soak", unit="req") as bar:
+        report = run_soak(args.url, args.api_key, args.operator_key, plan, lambda _: bar.update())
+    sys.stdout.write(report.summary() + "\n")
+    for line in report.unexpected:
+        sys.stdout.write(f"UNEXPECTED {line}\n")
+    return 1 if report.unexpected or any(report.idle_gauges.values()) else 0

@@ -113,8 +113,13 @@ class ModelDeploymentConfig(StrictConfig):
 
 
 class IngressOptions(StrictConfig):
+    """Ray Serve options of the ingress. Its work per request is small and async, and
+    the model deployments bound their own queues (503 + Retry-After past
+    `max_queued_requests`), so the ingress admits far more than they hold: a request it
+    had to queue would wait behind the model's queue, and so would `/health`."""
+
     num_cpus: float = Field(0.1, gt=0)
-    max_ongoing_requests: int = Field(256, ge=1)
+    max_ongoing_requests: int = Field(4096, ge=1)
 
 
 def default_adapter_root() -> str:

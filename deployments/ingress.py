@@ -202,6 +202,14 @@ def _ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _node_metrics_text() -> str:
+    """This node's Ray metrics agent's Prometheus text (blocking)."""
+    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == _ip())
+    url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
 CHAT_TEMPLATE_TOKENS = 128
 """Tokens a chat template may add around the messages (its own, not the caller's)."""
 
@@ -282,10 +290,8 @@ class OpenAIIngress:
     async def prometheus_metrics(self, request: Request) -> PlainTextResponse:
         """This node's platform metrics (from Ray's metrics agent), Prometheus text."""
         hidden = self._hidden_metric_labels(request.headers.get("authorization"))
-        node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == _ip())
-        url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
+        # GCS and metrics-agent calls block: off the event loop that serves requests.
+        text = await asyncio.to_thread(_node_metrics_text)
         return PlainTextResponse(
             render_prometheus(text, hidden), media_type="text/plain; version=0.0.4"
         )

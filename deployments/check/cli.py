@@ -1,4 +1,4 @@
-"""`loraplex check fuzz | soak` against any loraplex URL: prints a summary (fuzz: a table
+"""`loraplex check fuzz | soak | load` against any loraplex URL: prints a summary (fuzz: a table
 per operation, optionally JSON with every unexpected answer), exits 1 on any unexpected
 answer (soak: or a gauge not back to zero once idle)."""
 
@@ -48,6 +48,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--churn-path", default=None, help="adapter folder under the tenant's root to churn"
     )
     soak.set_defaults(handler=run_check_soak)
+    load = suites.add_parser("load", help="open-loop arrivals at 1x, 2x, 4x capacity")
+    load.add_argument("--url", default="http://127.0.0.1:8000", help="app root")
+    load.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="a tenant key ($OPENAI_API_KEY)"
+    )
+    load.add_argument("--phase-s", type=float, default=60.0, help="seconds per load level")
+    load.add_argument("--multiples", default="1,2,4", help="load levels, x measured capacity")
+    load.add_argument("--deadline-s", type=float, default=60.0, help="a later answer has hung")
+    load.set_defaults(handler=run_check_load)
 
 
 def run_check_fuzz(args: argparse.Namespace) -> int:
@@ -107,3 +116,20 @@ def run_check_soak(args: argparse.Namespace) -> int:
     for line in report.unexpected:
         sys.stdout.write(f"UNEXPECTED {line}\n")
     return 1 if report.unexpected or any(report.idle_gauges.values()) else 0
+
+
+def run_check_load(args: argparse.Namespace) -> int:
+    from loraplex.deployments.check.fuzz import served_models
+    from loraplex.deployments.check.load import LoadPlan, run_load
+
+    plan = LoadPlan(
+        models=tuple(served_models(args.url, args.api_key)),
+        multiples=tuple(float(m) for m in args.multiples.split(",")),
+        phase_s=args.phase_s,
+        deadline_s=args.deadline_s,
+    )
+    report = run_load(args.url, args.api_key, plan, lambda step: logger.warning("load: %s", step))
+    sys.stdout.write(report.table() + "\n")
+    for line in report.failures:
+        sys.stdout.write(f"UNEXPECTED {line}\n")
+    return 1 if report.failures else 0

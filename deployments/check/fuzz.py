@@ -55,7 +55,10 @@ class FuzzReport:
         """One row per operation: requests, answers by status, unexpected."""
         rows = ["| operation | requests | statuses | unexpected |", "|---|---:|---|---:|"]
         for name, tally in sorted(self.tallies.items()):
-            statuses = ", ".join(f"{s}: {n}" for s, n in sorted(tally.statuses.items()))
+            statuses = ", ".join(
+                f"{s}: {n}"
+                for s, n in sorted(tally.statuses.items(), key=lambda item: str(item[0]))
+            )
             rows.append(f"| {name} | {tally.requests} | {statuses} | {len(tally.unexpected)} |")
         rows.append(f"| all | {self.requests} | | {len(self.unexpected)} |")
         return "\n".join(rows)

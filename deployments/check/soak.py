@@ -64,7 +64,9 @@ class SoakReport:
     elapsed_s: float = 0.0
 
     def summary(self) -> str:
-        statuses = ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses.items()))
+        statuses = ", ".join(
+            f"{s}: {n}" for s, n in sorted(self.statuses.items(), key=lambda item: str(item[0]))
+        )
         churn = ", ".join(f"{k}: {n}" for k, n in sorted(self.churn.items()))
         gauges = ", ".join(f"{k} = {v:g}" for k, v in self.idle_gauges.items())
         return (
@@ -74,8 +76,9 @@ class SoakReport:
         )
 
 
-def _body(rng: random.Random, model: str, prefixes: list[str]) -> tuple[str, dict]:
-    """(path, body) of one random request over a shared prefix."""
+def request_body(rng: random.Random, model: str, prefixes: list[str]) -> tuple[str, dict]:
+    """(path, body) of one random request over one of the shared `prefixes`: completion
+    or chat, streamed or not, greedy or seeded, 1-11 tokens, now and then n=2."""
     prompt = f"{rng.choice(prefixes)} " + " ".join(
         f"w{rng.randrange(1, 50)}" for _ in range(rng.randrange(1, 20))
     )
@@ -106,7 +109,7 @@ class Soak:
         rng = random.Random(self.plan.seed * 1_000_003 + index)
         models = list(self.plan.models) + self.churn_names[-2:]
         prefixes = [" ".join(f"w{(7 * p + i) % 50}" for i in range(40)) for p in range(4)]
-        path, body = _body(rng, rng.choice(models), prefixes)
+        path, body = request_body(rng, rng.choice(models), prefixes)
         abort = rng.random() < self.plan.abort_fraction
         what = f"{path} {json.dumps(body)[:200]}"
         self.report.sent += 1

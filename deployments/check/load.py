@@ -1,0 +1,199 @@
+"""The load suite: open-loop (Poisson) arrivals at multiples of the app's measured
+capacity, mixed models and adapters, streamed and not, while `/health` is probed.
+
+Capacity is measured first: requests/s of a closed loop at the given concurrency. Each
+phase then sends at `multiple x capacity` for its duration, whatever the app answers
+(open loop: a slow app does not slow the arrivals). Under overload the only allowed
+answers are 200, 429 and 503, each 429/503 with `Retry-After`; a request still without
+an answer at its deadline has hung, and a stream ending without `[DONE]` or an error
+event is torn. `/health` latency percentiles show whether the ingress stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from loraplex.deployments.check.soak import request_body
+
+ALLOWED = (200, 429, 503)
+HEALTH_PERIOD_S = 0.25
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    models: tuple[str, ...]
+    multiples: tuple[float, ...] = (1.0, 2.0, 4.0)
+    phase_s: float = 60.0
+    deadline_s: float = 60.0
+    """A request without a complete answer after this long has hung."""
+    calibration_requests: int = 128
+    concurrency: int = 64
+    """Of the calibration's closed loop: enough to fill the engine's batch, so the
+    measured capacity is its throughput, not one client's latency."""
+    seed: int = 0
+
+
+@dataclass
+class Phase:
+    multiple: float
+    rate: float
+    sent: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    without_retry_after: int = 0
+    hung: int = 0
+    torn: int = 0
+    unexpected: list[str] = field(default_factory=list)
+    health_ms: list[float] = field(default_factory=list)
+
+    def health_p(self, q: float) -> float:
+        if not self.health_ms:
+            return float("nan")
+        ordered = sorted(self.health_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def row(self) -> str:
+        statuses = ", ".join(
+            f"{s}: {n}" for s, n in sorted(self.statuses.items(), key=lambda item: str(item[0]))
+        )
+        return (
+            f"| {self.multiple:g}x | {self.rate:.1f} | {self.sent} | {statuses} | "
+            f"{self.without_retry_after} | {self.hung} | {self.torn} | "
+            f"{self.health_p(0.5):.0f} / {self.health_p(0.99):.0f} |"
+        )
+
+
+@dataclass
+class LoadReport:
+    capacity_rps: float = 0.0
+    phases: list[Phase] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[str]:
+        return [f"{p.multiple:g}x: {u}" for p in self.phases for u in p.unexpected]
+
+    def table(self) -> str:
+        head = (
+            "| load | req/s | sent | statuses | 429/503 without Retry-After | hung | torn | "
+            "/health p50 / p99 ms |\n|---|---:|---:|---|---:|---:|---:|---|"
+        )
+        rows = "\n".join(p.row() for p in self.phases)
+        return f"capacity {self.capacity_rps:.2f} req/s\n{head}\n{rows}"
+
+
+async def _send(session: aiohttp.ClientSession, url: str, body_of, phase: Phase | None) -> bool:
+    """One request to completion; records it in `phase` (None: calibration). True when
+    it got a complete 200."""
+    path, body = body_of()
+    what = f"{path} {json.dumps(body)[:300]}"
+    try:
+        async with session.post(url + path, json=body) as response:
+            status = response.status
+            if phase is not None:
+                phase.statuses[status] += 1
+                if status in (429, 503) and "Retry-After" not in response.headers:
+                    phase.without_retry_after += 1
+                    phase.unexpected.append(f"{status} without Retry-After <- {what}")
+                elif status not in ALLOWED:
+                    text = (await response.read())[:200]
+                    phase.unexpected.append(f"status {status} {text!r} <- {what}")
+            if status != 200:
+                await response.read()
+                return False
+            if not body["stream"]:
+                await response.read()
+                return True
+            last = b""
+            async for line in response.content:
+                if line.strip():
+                    last = line.strip()
+            if last != b"data: [DONE]" and b'"error"' not in last:
+                if phase is not None:
+                    phase.torn += 1
+                    phase.unexpected.append(f"torn stream (last {last[:80]!r}) <- {what}")
+                return False
+            return True
+    except asyncio.TimeoutError:
+        if phase is not None:
+            phase.hung += 1
+            phase.unexpected.append(f"no answer within the deadline <- {what}")
+        return False
+    except aiohttp.ClientError as exc:
+        if phase is not None:
+            phase.statuses["no answer"] += 1
+            phase.unexpected.append(f"no answer ({exc!r}) <- {what}")
+        return False
+
+
+async def _calibrate(session, url: str, plan: LoadPlan, body_of) -> float:
+    gate = asyncio.Semaphore(plan.concurrency)
+
+    async def one() -> None:
+        async with gate:
+            await _send(session, url, body_of, None)
+
+    started = time.monotonic()
+    await asyncio.gather(*(one() for _ in range(plan.calibration_requests)))
+    return plan.calibration_requests / (time.monotonic() - started)
+
+
+async def _probe_health(session, url: str, phase: Phase, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            async with session.get(url + "/health") as response:
+                await response.read()
+            phase.health_ms.append((time.monotonic() - started) * 1e3)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            phase.unexpected.append(f"/health gave no answer ({exc!r})")
+        await asyncio.sleep(HEALTH_PERIOD_S)
+
+
+async def _phase(session, url: str, plan: LoadPlan, phase: Phase, body_of, rng) -> None:
+    stop = asyncio.Event()
+    health = asyncio.create_task(_probe_health(session, url, phase, stop))
+    tasks = []
+    end = time.monotonic() + plan.phase_s
+    while time.monotonic() < end:
+        tasks.append(asyncio.create_task(_send(session, url, body_of, phase)))
+        phase.sent += 1
+        await asyncio.sleep(rng.expovariate(phase.rate))
+    await asyncio.gather(*tasks)
+    stop.set()
+    await health
+
+
+async def _run(url: str, api_key: str, plan: LoadPlan, progress) -> LoadReport:
+    rng = random.Random(plan.seed)
+    prefixes = [" ".join(f"w{(7 * p + i) % 50}" for i in range(40)) for p in range(4)]
+
+    def body_of() -> tuple[str, dict]:
+        return request_body(rng, rng.choice(plan.models), prefixes)
+
+    report = LoadReport()
+    timeout = aiohttp.ClientTimeout(total=plan.deadline_s)
+    headers = {"Authorization": f"Bearer {api_key}"}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as s:
+        progress("calibrating")
+        report.capacity_rps = await _calibrate(s, url, plan, body_of)
+        for multiple in plan.multiples:
+            phase = Phase(multiple, multiple * report.capacity_rps)
+            progress(f"{multiple:g}x at {phase.rate:.1f} req/s for {plan.phase_s:.0f} s")
+            await _phase(s, url, plan, phase, body_of, rng)
+            report.phases.append(phase)
+            await asyncio.sleep(2.0)  # let the queue drain between phases
+    return report
+
+
+def run_load(
+    url: str, api_key: str, plan: LoadPlan, progress: Callable[[str], None] = lambda _: None
+) -> LoadReport:
+    return asyncio.run(_run(url, api_key, plan, progress))

@@ -153,7 +153,7 @@ async def parse_body(request: Request, schema: type[Body]) -> Body:
 
 def first_lone_surrogate(data: object) -> str | None:
     """The first lone surrogate code point in any string (key or value) of parsed JSON,
-    or None. JSON's \\uXXXX escapes can spell them; no UTF-8 text can, so a tokenizer
+    or None. JSON's \\u escapes (such as \\ud800) can spell them; no UTF-8 text can, so a tokenizer
     may fail on them. Walks iteratively (the depth json.loads allows)."""
     pending = [data]
     while pending:

@@ -199,12 +199,16 @@ class TorchBackend:
         device: torch.device,
     ) -> LoRAStack:
         width = num_slices * max_rank
-        dtype = torch.float32 if dtype in _HALF else dtype
+        dtype = self._slot_dtype(dtype)
         return LoRAStack(
             a=torch.zeros(max_loras, width, in_features, dtype=dtype, device=device),
             b=self._zeros_b(max_loras, out_features, width, dtype, device),
             num_slices=num_slices,
         )
+
+    def _slot_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """fp32 slots for a half-precision model (see the class docstring)."""
+        return torch.float32 if weight_dtype in _HALF else weight_dtype
 
     def _zeros_b(
         self,
@@ -376,22 +380,9 @@ class TritonBackend(TorchBackend):
             )
         return out
 
-    def lora_stack(
-        self,
-        max_loras: int,
-        max_rank: int,
-        in_features: int,
-        out_features: int,
-        num_slices: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> LoRAStack:
-        width = num_slices * max_rank
-        return LoRAStack(
-            a=torch.zeros(max_loras, width, in_features, dtype=dtype, device=device),
-            b=torch.zeros(max_loras, out_features, width, dtype=dtype, device=device),
-            num_slices=num_slices,
-        )
+    def _slot_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """Slots in the model's dtype: the BGMV / SGMV kernels read them as they are."""
+        return weight_dtype
 
     def add_lora(
         self, out: torch.Tensor, x: torch.Tensor, stack: LoRAStack, batch: LoRABatch

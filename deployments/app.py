@@ -7,14 +7,15 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
-from loraplex.deployments.config import ModelDeploymentConfig, PlatformConfig
-from loraplex.deployments.ingress import OpenAIIngress
+from loraplex.deployments.config import (
+    ModelDeploymentConfig,
+    PlatformConfig,
+    model_deployment_name,
+)
+from loraplex.deployments.ingress import OVERLOAD_RETRY_AFTER_S, OpenAIIngress
 from loraplex.deployments.model_server import ModelServer
-
-
-def model_deployment_name(name: str) -> str:
-    return f"model-{name}"
 
 
 def rank_bundles(config: ModelDeploymentConfig) -> dict[str, Any]:
@@ -65,4 +66,6 @@ def build_app(args: dict[str, Any]) -> Application:
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
         max_ongoing_requests=config.ingress.max_ongoing_requests,
+        max_queued_requests=config.ingress.max_queued_requests,
+        backpressure_config=BackpressureConfig(retry_after_s=OVERLOAD_RETRY_AFTER_S),
     ).bind(config, servers)

@@ -16,6 +16,7 @@ id, so no replica serves a stale copy under the current name.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -213,7 +214,24 @@ class AdapterCatalog:
         logger.info("tenant %s deleted adapter %s:%s", tenant, base, name)
 
     def _write(self, data: dict) -> None:
-        handle, temporary = tempfile.mkstemp(dir=self.root, prefix=".catalog-", suffix=".tmp")
-        with os.fdopen(handle, "w") as out:
-            json.dump(data, out, indent=1, sort_keys=True)
-        os.replace(temporary, self._file)
+        """Replaces the catalog file atomically: a failed write (a full disk) leaves the
+        old catalog in place, removes its partial copy and becomes a CatalogError."""
+        temporary = None
+        try:
+            handle, temporary = tempfile.mkstemp(dir=self.root, prefix=".catalog-", suffix=".tmp")
+            with os.fdopen(handle, "w") as out:
+                json.dump(data, out, indent=1, sort_keys=True)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, self._file)
+        except OSError as exc:
+            if temporary is not None:
+                Path(temporary).unlink(missing_ok=True)
+            logger.error("writing the adapter catalog in %s failed: %r", self.root, exc)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CatalogError(
+                    507, "the adapter storage is full; the catalog is unchanged, retry later"
+                ) from None
+            raise CatalogError(
+                503, f"the adapter catalog could not be written ({exc.strerror}); retry later"
+            ) from None

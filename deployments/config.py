@@ -112,14 +112,29 @@ class ModelDeploymentConfig(StrictConfig):
         return EngineConfig.from_options(self.model or self.name, self.engine)
 
 
+def model_deployment_name(name: str) -> str:
+    """The Serve deployment (and Ray process title suffix) of model `name`."""
+    return f"model-{name}"
+
+
 class IngressOptions(StrictConfig):
-    """Ray Serve options of the ingress. Its work per request is small and async, and
-    the model deployments bound their own queues (503 + Retry-After past
-    `max_queued_requests`), so the ingress admits far more than they hold: a request it
-    had to queue would wait behind the model's queue, and so would `/health`."""
+    """Ray Serve options of the ingress. The model deployments bound their own queues
+    (503 + Retry-After past their `max_queued_requests`), so the ingress admits more
+    than they hold together: a request waiting for a model holds an ingress slot but
+    no CPU, and `/health` must not wait behind them. Past `max_ongoing_requests` the
+    proxy queues up to `max_queued_requests` more, then answers 503 with Retry-After
+    itself, without the ingress doing any work: when the ingress's own CPU is the
+    bottleneck, nothing queues without bound and no request waits past its deadline."""
 
     num_cpus: float = Field(0.1, gt=0)
-    max_ongoing_requests: int = Field(4096, ge=1)
+    max_ongoing_requests: int = Field(1024, ge=1)
+    max_queued_requests: int = Field(256, ge=1)
+    first_token_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a request without its first token by then (queued in the router or "
+        "the engine under overload) ends with 503 + Retry-After instead of waiting on",
+    )
 
 
 def default_adapter_root() -> str:

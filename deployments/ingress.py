@@ -47,12 +47,18 @@ from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogEr
 from loraplex.deployments.config import PlatformConfig
 from loraplex.deployments.errors import OpenAIError, error_response
 from loraplex.deployments.logs import send_platform_logs_to_serve
-from loraplex.deployments.metrics import TENANT_LABELS, IngressMetrics, render_prometheus
+from loraplex.deployments.metrics import (
+    TENANT_LABELS,
+    IngressMetrics,
+    ProcessMemory,
+    render_prometheus,
+)
 from loraplex.deployments.model_server import GenerateCall, GenerateError, StreamStep
 from loraplex.deployments.openapi import openapi_document
 from loraplex.deployments.protocol import (
     AdapterCard,
     AdapterList,
+    ArmFailpointRequest,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -85,6 +91,7 @@ REQUEST_BODIES = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
     ("/v1/adapters", "post"): RegisterAdapterRequest,
+    ("/v1/admin/failpoints", "post"): ArmFailpointRequest,
 }
 """The bodies the POST handlers parse themselves (`parse_body`), for /openapi.json."""
 
@@ -172,7 +179,10 @@ def first_lone_surrogate(data: object) -> str | None:
 
 
 def _catalog_error(exc: CatalogError) -> OpenAIError:
-    return OpenAIError(exc.status, str(exc))
+    retry = exc.status in (503, 507)
+    return OpenAIError(
+        exc.status, str(exc), retry_after_s=OVERLOAD_RETRY_AFTER_S if retry else None
+    )
 
 
 def replica_failed(base: str, request_id: str, exc: BaseException) -> OpenAIError:
@@ -247,7 +257,10 @@ class OpenAIIngress:
         self.limits = RateLimiter()
         self.operator_digests = frozenset(config.operator.key_digests())
         self.log_prompts = config.log_prompts
+        self.first_token_timeout_s = config.ingress.first_token_timeout_s
         self.metrics = IngressMetrics()
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.memory = ProcessMemory("ingress", replica)
         self._models_up: set[str] = set()
         logger.info(
             "ingress ready: models=%s tenants=%d auth=%s adapter_root=%s",
@@ -300,12 +313,40 @@ class OpenAIIngress:
         """401 without the operator key when one is configured; else the labels this
         caller may not see (tenant and adapter names, when tenants are configured)."""
         if self.operator_digests:
-            if bearer_digest(authorization) not in self.operator_digests:
-                raise OpenAIError(
-                    401, "/metrics needs the operator's API key", code="invalid_api_key"
-                )
+            self._require_operator(authorization, "/metrics")
             return frozenset()
         return TENANT_LABELS if self.tenants.auth_enabled else frozenset()
+
+    def _require_operator(self, authorization: str | None, what: str) -> None:
+        if bearer_digest(authorization) not in self.operator_digests:
+            raise OpenAIError(401, f"{what} needs the operator's API key", code="invalid_api_key")
+
+    # ---- operator API: chaos drills --------------------------------------------------------
+    @app.post("/v1/admin/failpoints")
+    async def arm_failpoint(self, request: Request) -> dict:
+        """Arms a failpoint in one replica of a model whose config sets
+        `fault_injection: true` (403 otherwise); operator key only (none configured: 401)."""
+        self._require_operator(request.headers.get("authorization"), "/v1/admin/failpoints")
+        body = await parse_body(request, ArmFailpointRequest)
+        if body.model not in self.servers:
+            raise OpenAIError(404, f"model {body.model!r} does not exist", code="model_not_found")
+        try:
+            await self.servers[body.model].arm_failpoint.remote(
+                body.name, body.prompt, body.times, body.delay_s
+            )
+        except PermissionError:
+            raise OpenAIError(403, f"fault injection is off for model {body.model!r}") from None
+        logger.warning("operator armed failpoint %s on %s", body.name, body.model)
+        return {"object": "failpoint", "model": body.model, "name": body.name, "armed": True}
+
+    @app.delete("/v1/admin/failpoints/{model}")
+    async def disarm_failpoints(self, model: str, request: Request) -> dict:
+        """Disarms every failpoint in one replica of `model`; operator key only."""
+        self._require_operator(request.headers.get("authorization"), "/v1/admin/failpoints")
+        if model not in self.servers:
+            raise OpenAIError(404, f"model {model!r} does not exist", code="model_not_found")
+        await self.servers[model].disarm_failpoints.remote()
+        return {"object": "failpoint", "model": model, "armed": False}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> ModelList:
@@ -409,7 +450,21 @@ class OpenAIIngress:
         handle = self.servers[route.base].options(stream=True, multiplexed_model_id=route.model_id)
         steps = handle.generate.remote(call)
         try:
-            first = await anext(aiter(steps))
+            first = await asyncio.wait_for(anext(aiter(steps)), self.first_token_timeout_s)
+        except asyncio.TimeoutError:
+            steps.cancel()
+            logger.warning(
+                "request %s: no first token from %s within %.0f s, answered 503",
+                call.request_id,
+                route.base,
+                self.first_token_timeout_s,
+            )
+            raise OpenAIError(
+                503,
+                f"model {route.base!r} is overloaded: no capacity within "
+                f"{self.first_token_timeout_s:g} s, retry later",
+                retry_after_s=OVERLOAD_RETRY_AFTER_S,
+            ) from None
         except BackPressureError:
             raise OpenAIError(
                 503,

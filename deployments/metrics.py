@@ -11,6 +11,7 @@ adapter names cannot blow up the series count.
 
 from __future__ import annotations
 
+import os
 import threading
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -89,6 +90,11 @@ class EngineMetrics:
         self.adapter_load = metrics.Histogram(
             "loraplex_adapter_load_seconds", "Adapter load from disk", LOAD_BUCKETS, keys
         )
+        self.preemptions = metrics.Counter(
+            "vllm_num_preemptions_total",
+            "Running requests preempted (their KV blocks freed, recomputed later)",
+            keys,
+        )
         self.restarts = metrics.Gauge(
             "loraplex_engine_restarts",
             "Times the replica's engine restarted in place after a failed step",
@@ -101,6 +107,7 @@ class EngineMetrics:
         )
         self.adapter_label = BoundedLabel()
         self._last_prefix = (0, 0)
+        self._last_preemptions = 0
 
     def record_engine(self, stats: dict[str, float]) -> None:
         """Sets gauges from `LLMEngine.stats()` and advances the cumulative counters."""
@@ -113,6 +120,10 @@ class EngineMetrics:
         if hits > self._last_prefix[1]:
             self.prefix_hits.inc(hits - self._last_prefix[1], self.tags)
         self._last_prefix = (queries, hits)
+        preemptions = int(stats.get("num_preemptions", 0))
+        if preemptions > self._last_preemptions:
+            self.preemptions.inc(preemptions - self._last_preemptions, self.tags)
+        self._last_preemptions = preemptions
         self.restarts.set(stats.get("engine_restarts", 0), self.tags)
         for tier, key in (("device", "lora_resident"), ("host", "lora_host_cached")):
             if key in stats:
@@ -177,6 +188,41 @@ class IngressMetrics:
             self.tokens.inc(prompt_tokens, {"tenant": name, "kind": "prompt"})
         if output_tokens:
             self.tokens.inc(output_tokens, {"tenant": name, "kind": "generation"})
+
+
+def resident_memory_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class ProcessMemory:
+    """A replica's resident memory as `loraplex_process_resident_memory_bytes`
+    {component, replica}, refreshed every `period_s` by a daemon thread: what the load
+    and soak suites read to show memory stays flat."""
+
+    def __init__(self, component: str, replica: str, period_s: float = 2.0) -> None:
+        self.gauge = metrics.Gauge(
+            "loraplex_process_resident_memory_bytes",
+            "Resident memory of a replica's process",
+            ("component", "replica"),
+        )
+        self.tags = {"component": component, "replica": replica}
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self.gauge.set(resident_memory_bytes(), self.tags)
+        threading.Thread(target=self._run, name="process-memory", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.gauge.set(resident_memory_bytes(), self.tags)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 TENANT_LABELS = frozenset({"tenant", "adapter"})

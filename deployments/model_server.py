@@ -39,9 +39,9 @@ from ray import serve
 
 from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
-from loraplex.deployments.config import ModelDeploymentConfig
+from loraplex.deployments.config import ModelDeploymentConfig, model_deployment_name
 from loraplex.deployments.logs import send_platform_logs_to_serve
-from loraplex.deployments.metrics import EngineMetrics
+from loraplex.deployments.metrics import EngineMetrics, ProcessMemory
 from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.request import Logprob, RequestOutput, SamplingParams
@@ -145,6 +145,7 @@ class ModelServer:
         self.catalog = AdapterCatalog(adapter_root, {config.name: dict(config.adapters)})
         replica = serve.get_replica_context().replica_id.unique_id if _in_serve() else "local"
         self.metrics = EngineMetrics(config.name, replica)
+        self.memory = ProcessMemory(model_deployment_name(config.name), replica)
 
         # A plain function, not the bound method: Serve caches its state on the callable.
         async def load_resident(model_id: str) -> ResidentAdapter:
@@ -308,6 +309,9 @@ class ModelServer:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        memory = getattr(self, "memory", None)
+        if memory is not None:
+            memory.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(drain_timeout_s=self.config.drain_timeout_s)

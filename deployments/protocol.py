@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from loraplex.deployments.catalog import ADAPTER_NAME
+from loraplex.platform.failpoints import NAMES as FAILPOINT_NAMES
 from loraplex.platform.request import SamplingParams
 
 INT32_MAX = 2**31 - 1
@@ -140,6 +141,26 @@ class RegisterAdapterRequest(StrictModel):
     def _adapter_name(cls, name: str) -> str:
         if not ADAPTER_NAME.match(name):
             raise ValueError(f"adapter name {name!r} must be letters, digits, '.', '_' or '-'")
+        return name
+
+
+class ArmFailpointRequest(StrictModel):
+    """Operator API: arm a failpoint (platform/failpoints.py) in one replica of a model
+    whose config allows fault injection, for a chaos drill."""
+
+    model: str = Field(min_length=1, max_length=256, description="base model to fault")
+    name: str = Field(min_length=1, max_length=64, description="sampler.row, engine.step, ...")
+    prompt: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        default=None, max_length=4096, description="fire only for requests with these token ids"
+    )
+    times: int | None = Field(default=None, ge=1, le=1_000_000, description="fire this often")
+    delay_s: float = Field(default=0.0, ge=0.0, le=10.0, description="engine.delay's sleep")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in FAILPOINT_NAMES:
+            raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(FAILPOINT_NAMES)}")
         return name
 
 

@@ -72,7 +72,14 @@ class EngineSnapshot:
     device_adapters: list[str]
     engine_restarts: int
     free_blocks: int
+    """Blocks on the pool's free list."""
+    unreferenced_blocks: int
+    """Blocks whose reference count is 0: equal to `free_blocks` unless the pool's books
+    disagree with themselves."""
     total_blocks: int
+    block_refs: int
+    """Sum of every block's reference count (0 once no request holds a block)."""
+    num_preemptions: int
     unfinished: bool
     streams: int
     shards: list[dict]
@@ -319,7 +326,10 @@ class AsyncEngine:
             device_adapters=[a.name for a in slots.resident] if slots else [],
             engine_restarts=engine.restarts,
             free_blocks=engine.kv_cache.pool.num_free,
+            unreferenced_blocks=sum(b.ref_count == 0 for b in engine.kv_cache.pool.blocks),
             total_blocks=engine.kv_cache.pool.num_blocks,
+            block_refs=sum(block.ref_count for block in engine.kv_cache.pool.blocks),
+            num_preemptions=engine.scheduler.num_preemptions,
             unfinished=engine.has_unfinished(),
             streams=len(self._streams),
             shards=[dataclasses.asdict(shard) for shard in engine.shard_memory()],

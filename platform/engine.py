@@ -433,6 +433,7 @@ class LLMEngine:
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "engine_restarts": self.restarts,
+            "num_preemptions": self.scheduler.num_preemptions,
         }
         slots = self.runner.lora_slots
         if self.adapters is not None and slots is not None:

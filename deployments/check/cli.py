@@ -56,6 +56,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     load.add_argument("--phase-s", type=float, default=60.0, help="seconds per load level")
     load.add_argument("--multiples", default="1,2,4", help="load levels, x measured capacity")
     load.add_argument("--deadline-s", type=float, default=60.0, help="a later answer has hung")
+    load.add_argument(
+        "--operator-key", default=None, help="reads each component's memory from /metrics"
+    )
     load.set_defaults(handler=run_check_load)
 
 
@@ -127,6 +130,7 @@ def run_check_load(args: argparse.Namespace) -> int:
         multiples=tuple(float(m) for m in args.multiples.split(",")),
         phase_s=args.phase_s,
         deadline_s=args.deadline_s,
+        operator_key=args.operator_key,
     )
     report = run_load(args.url, args.api_key, plan, lambda step: logger.warning("load: %s", step))
     sys.stdout.write(report.table() + "\n")

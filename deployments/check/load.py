@@ -15,16 +15,21 @@ import asyncio
 import json
 import random
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.deployments.check.soak import request_body
 
 ALLOWED = (200, 429, 503)
 HEALTH_PERIOD_S = 0.25
+MEMORY_METRIC = "loraplex_process_resident_memory_bytes"
+MEMORY_EXPORT_S = 6.0
+"""Replicas refresh the gauge every 2 s and Ray exports it every few seconds."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,18 @@ class LoadPlan:
     concurrency: int = 64
     """Of the calibration's closed loop: enough to fill the engine's batch, so the
     measured capacity is its throughput, not one client's latency."""
+    output_tokens: tuple[int, int] = (16, 64)
+    """Each request generates between these many tokens (`ignore_eos`): enough decode
+    work that the engine, not the HTTP path, bounds capacity, as with real models. With
+    a tiny model and a few tokens per request, capacity would be what the proxy and the
+    ingress parse per second, and 4x that would overload the HTTP front itself, which
+    no server behind it can shed."""
     seed: int = 0
+    operator_key: str | None = None
+    """Reads each component's resident memory from /metrics after every level (None:
+    memory is not followed)."""
+    drain_s: float = 10.0
+    """Idle time after the last level before memory is read once more."""
 
 
 @dataclass
@@ -52,6 +68,8 @@ class Phase:
     torn: int = 0
     unexpected: list[str] = field(default_factory=list)
     health_ms: list[float] = field(default_factory=list)
+    memory_mib: dict[str, float] = field(default_factory=dict)
+    """Resident memory per component (summed over its replicas) at the level's end."""
 
     def health_p(self, q: float) -> float:
         if not self.health_ms:
@@ -66,14 +84,40 @@ class Phase:
         return (
             f"| {self.multiple:g}x | {self.rate:.1f} | {self.sent} | {statuses} | "
             f"{self.without_retry_after} | {self.hung} | {self.torn} | "
-            f"{self.health_p(0.5):.0f} / {self.health_p(0.99):.0f} |"
+            f"{self.health_p(0.5):.0f} / {self.health_p(0.99):.0f} | "
+            f"{format_memory(self.memory_mib)} |"
         )
+
+
+def format_memory(memory_mib: dict[str, float]) -> str:
+    return ", ".join(f"{name} {mib:.0f}" for name, mib in sorted(memory_mib.items())) or "-"
+
+
+def memory_mib(url: str, operator_key: str) -> dict[str, float]:
+    """`loraplex_process_resident_memory_bytes` from /metrics, MiB per component."""
+    request = urllib.request.Request(
+        f"{url}/metrics", headers={"Authorization": f"Bearer {operator_key}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != MEMORY_METRIC:
+            continue
+        for sample in family.samples:
+            component = sample.labels.get("component", "?")
+            totals[component] = totals.get(component, 0.0) + sample.value / 2**20
+    return totals
 
 
 @dataclass
 class LoadReport:
     capacity_rps: float = 0.0
     phases: list[Phase] = field(default_factory=list)
+    memory_before_mib: dict[str, float] = field(default_factory=dict)
+    """After calibration, before the first level."""
+    memory_idle_mib: dict[str, float] = field(default_factory=dict)
+    """After the last level and `drain_s` of idle."""
 
     @property
     def failures(self) -> list[str]:
@@ -82,10 +126,15 @@ class LoadReport:
     def table(self) -> str:
         head = (
             "| load | req/s | sent | statuses | 429/503 without Retry-After | hung | torn | "
-            "/health p50 / p99 ms |\n|---|---:|---:|---|---:|---:|---:|---|"
+            "/health p50 / p99 ms | resident MiB at the end |\n"
+            "|---|---:|---:|---|---:|---:|---:|---|---|"
         )
         rows = "\n".join(p.row() for p in self.phases)
-        return f"capacity {self.capacity_rps:.2f} req/s\n{head}\n{rows}"
+        return (
+            f"capacity {self.capacity_rps:.2f} req/s\n{head}\n{rows}\n"
+            f"resident MiB before the first level: {format_memory(self.memory_before_mib)}; "
+            f"idle after the last: {format_memory(self.memory_idle_mib)}"
+        )
 
 
 async def _send(session: aiohttp.ClientSession, url: str, body_of, phase: Phase | None) -> bool:
@@ -175,7 +224,9 @@ async def _run(url: str, api_key: str, plan: LoadPlan, progress) -> LoadReport:
     prefixes = [" ".join(f"w{(7 * p + i) % 50}" for i in range(40)) for p in range(4)]
 
     def body_of() -> tuple[str, dict]:
-        return request_body(rng, rng.choice(plan.models), prefixes)
+        path, body = request_body(rng, rng.choice(plan.models), prefixes)
+        low, high = plan.output_tokens
+        return path, {**body, "max_tokens": rng.randint(low, high), "ignore_eos": True}
 
     report = LoadReport()
     timeout = aiohttp.ClientTimeout(total=plan.deadline_s)
@@ -184,13 +235,24 @@ async def _run(url: str, api_key: str, plan: LoadPlan, progress) -> LoadReport:
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as s:
         progress("calibrating")
         report.capacity_rps = await _calibrate(s, url, plan, body_of)
+        report.memory_before_mib = await _memory(url, plan)
         for multiple in plan.multiples:
             phase = Phase(multiple, multiple * report.capacity_rps)
             progress(f"{multiple:g}x at {phase.rate:.1f} req/s for {plan.phase_s:.0f} s")
             await _phase(s, url, plan, phase, body_of, rng)
+            phase.memory_mib = await _memory(url, plan)
             report.phases.append(phase)
             await asyncio.sleep(2.0)  # let the queue drain between phases
+        await asyncio.sleep(plan.drain_s)
+        report.memory_idle_mib = await _memory(url, plan)
     return report
+
+
+async def _memory(url: str, plan: LoadPlan) -> dict[str, float]:
+    if plan.operator_key is None:
+        return {}
+    await asyncio.sleep(MEMORY_EXPORT_S)
+    return await asyncio.to_thread(memory_mib, url, plan.operator_key)
 
 
 def run_load(

@@ -36,6 +36,7 @@ IDLE_GAUGES = (
     "loraplex_tenant_tokens_reserved",
 )
 """What must read 0 (summed over replicas and tenants) once the app is idle."""
+PREEMPTIONS = "vllm:num_preemptions_total"
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class SoakReport:
     churn: Counter = field(default_factory=Counter)
     """Adapter churn calls by 'verb status'."""
     idle_gauges: dict[str, float] = field(default_factory=dict)
+    preemptions: float = 0.0
+    """`vllm:num_preemptions_total` over the app's replicas once idle (KV pressure)."""
     elapsed_s: float = 0.0
 
     def summary(self) -> str:
@@ -72,7 +75,8 @@ class SoakReport:
         return (
             f"{self.sent} requests in {self.elapsed_s:.0f} s, {self.aborted} aborted by the "
             f"client ({self.aborted / max(self.sent, 1):.0%}); statuses {statuses}; "
-            f"unexpected {len(self.unexpected)}\nadapter churn: {churn}\nidle: {gauges}"
+            f"unexpected {len(self.unexpected)}\nadapter churn: {churn}\n"
+            f"preemptions (whole app, since start): {self.preemptions:g}\nidle: {gauges}"
         )
 
 
@@ -201,6 +205,11 @@ async def _run(url: str, api_key: str, plan: SoakPlan, report: SoakReport, progr
 
 def read_gauges(url: str, operator_key: str) -> dict[str, float]:
     """IDLE_GAUGES from /metrics, each summed over its series."""
+    return read_totals(url, operator_key, IDLE_GAUGES)
+
+
+def read_totals(url: str, operator_key: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The metrics `names` from /metrics, each summed over its series."""
     import urllib.request
 
     request = urllib.request.Request(
@@ -208,7 +217,7 @@ def read_gauges(url: str, operator_key: str) -> dict[str, float]:
     )
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
-    totals = dict.fromkeys(IDLE_GAUGES, 0.0)
+    totals = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in totals:
@@ -238,4 +247,5 @@ def run_soak(
     asyncio.run(_run(url, api_key, plan, report, progress))
     report.elapsed_s = time.monotonic() - started
     report.idle_gauges = wait_idle(url, operator_key)
+    report.preemptions = read_totals(url, operator_key, (PREEMPTIONS,))[PREEMPTIONS]
     return report

@@ -1,8 +1,9 @@
 """One real Ray Serve app for the whole test session (starting one costs ~15 s).
 
-The app serves two tiny base models: `tiny` (Llama, with three shared adapters) and
-`tiny-qwen` (one replica that takes one request at a time and queues one, so it
-overloads on purpose). Three tenants: `acme` (everything), `globex` (key from an
+The app serves three tiny base models: `tiny` (Llama, with three shared adapters),
+`tiny-tight` (the same weights and one adapter, with a KV cache of 24 blocks: running
+requests get preempted) and `tiny-qwen` (one replica that takes one request at a time
+and queues one, so it overloads on purpose). Three tenants: `acme` (everything), `globex` (key from an
 environment variable; `tiny` and its shared adapter `sa` only) and `limited`
 (one request at a time, 100 tokens a minute). Tenant adapters live under a temporary
 adapter root. An operator key unlocks /metrics, and `tiny` allows fault injection
@@ -38,6 +39,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def pick_port():
+    """`free_port` for test modules (they cannot import a conftest by name)."""
+    return free_port
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,13 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
                 "server": {"num_cpus": 0.1},
                 "stream_messages_per_step": 4,
                 "fault_injection": True,
+            },
+            {
+                "name": "tiny-tight",
+                "model": str(base),
+                "engine": {**engine, "num_blocks_override": 24},
+                "adapters": {"sa": str(shared["sa"])},
+                "server": {"num_cpus": 0.1},
             },
             {
                 "name": "tiny-qwen",
@@ -143,6 +157,14 @@ def model_server(serve_setup):
     from ray import serve
 
     return serve.get_deployment_handle("model-tiny", app_name="loraplex")
+
+
+@pytest.fixture(scope="session")
+def model_handles(serve_setup):
+    """Model name -> its deployment handle."""
+    from ray import serve
+
+    return lambda name: serve.get_deployment_handle(f"model-{name}", app_name="loraplex")
 
 
 @pytest.fixture(scope="session")

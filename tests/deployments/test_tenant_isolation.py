@@ -342,6 +342,26 @@ def test_a_shared_state_fault_restarts_the_engine_in_place(
 
 
 # ---- acceptance 4: operator surfaces ------------------------------------------------------
+def test_failpoints_are_the_operators_and_only_where_the_config_allows(
+    serve_url, tenant_keys, operator_key
+):
+    path = "/v1/admin/failpoints"
+    delay = {"model": "tiny", "name": "engine.delay", "times": 1, "delay_s": 0.01}
+    assert call(serve_url, "POST", path, tenant_keys["acme"], delay)[0] == 401
+    assert call(serve_url, "POST", path, None, delay)[0] == 401
+    status, payload = call(serve_url, "POST", path, operator_key, {**delay, "model": "tiny-qwen"})
+    assert status == 403 and "fault injection is off" in payload["error"]["message"]
+    assert call(serve_url, "POST", path, operator_key, {**delay, "model": "nope"})[0] == 404
+    status, payload = call(serve_url, "POST", path, operator_key, {**delay, "name": "rm.rf"})
+    assert status == 400 and "unknown failpoint" in payload["error"]["message"]
+    assert call(serve_url, "POST", path, operator_key, delay) == (
+        200,
+        {"object": "failpoint", "model": "tiny", "name": "engine.delay", "armed": True},
+    )
+    assert call(serve_url, "DELETE", f"{path}/tiny", operator_key)[0] == 200
+    assert call(serve_url, "DELETE", f"{path}/tiny", tenant_keys["acme"])[0] == 401
+
+
 def test_metrics_need_the_operator_key(serve_url, tenant_keys, operator_key):
     for key in (None, tenant_keys["acme"], "sk-wrong"):
         request = urllib.request.Request(f"{serve_url}/metrics")

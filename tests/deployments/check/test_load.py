@@ -20,10 +20,15 @@ PHASE_S = float(os.environ.get("LORAPLEX_LOAD_PHASE_S", "3"))
 REPORT_PATH = os.environ.get("LORAPLEX_LOAD_REPORT")
 HEALTH_P99_MS = 5000.0
 """A loose bound for a 2-core machine running the app, the load and the test at once."""
+MEMORY_GROWTH = (1.15, 64.0)
+"""Idle after the run, each component's resident memory may be at most this factor of
+its memory at the end of the first level (allocators warmed up) plus this many MiB:
+room for high-water marks under bigger batches and queues, none for a per-request leak
+(10 KiB a request over the 3-minute run's 25,000 later requests would be 240 MiB)."""
 
 
 @pytest.fixture(scope="module")
-def report(serve_url, tenant_keys) -> LoadReport:
+def report(serve_url, tenant_keys, operator_key) -> LoadReport:
     plan = LoadPlan(
         models=("tiny", "tiny:sa", "tiny:sb"),
         phase_s=PHASE_S,
@@ -31,6 +36,7 @@ def report(serve_url, tenant_keys) -> LoadReport:
         calibration_requests=64,
         concurrency=32,
         seed=3,
+        operator_key=operator_key,
     )
     result = run_load(serve_url, tenant_keys["acme"], plan)
     if REPORT_PATH:
@@ -53,3 +59,14 @@ def test_health_stays_responsive(report):
     for phase in report.phases:
         assert len(phase.health_ms) >= 2, report.table()
         assert phase.health_p(0.99) < HEALTH_P99_MS, report.table()
+
+
+def test_memory_is_flat(report):
+    """Each component's resident memory (from /metrics), idle after the run, against the
+    end of the first level."""
+    factor, slack_mib = MEMORY_GROWTH
+    warmed = report.phases[0].memory_mib
+    assert warmed, report.table()
+    for component, before in warmed.items():
+        after = report.memory_idle_mib.get(component, float("inf"))
+        assert after <= before * factor + slack_mib, (component, report.table())

@@ -51,8 +51,9 @@ class Fault:
     before recovery is polled; None when the platform must heal alone."""
     may_drop: bool = False
     """Whether touched requests may end without a clean error (a killed ingress)."""
-    mid_request: bool = False
-    """Inject only while a touched request is in flight (a kill must land mid-request)."""
+    inject_during: frozenset[str] = frozenset()
+    """Inject only while a request to one of these models (as in `blast`) is in flight,
+    so the fault lands mid-request or mid-batch; empty: at once."""
     settle_s: float = 2.0
     """Traffic kept flowing after recovery before the window closes."""
 
@@ -122,8 +123,9 @@ def run_drill(traffic: Traffic, fault: Fault, bound_s: float = RECOVERY_BOUND_S)
     """Injects `fault` under `traffic`, waits for recovery, judges the window."""
     result = DrillResult(fault.name)
     touches = functools.partial(_in_blast, blast=fault.blast)
-    if fault.mid_request and not traffic.wait_in_flight(touches):
-        result.problems.append("no touched request came in flight to inject into")
+    during = functools.partial(_in_blast, blast=fault.inject_during)
+    if fault.inject_during and not traffic.wait_in_flight(during):
+        result.problems.append("no request came in flight to inject into")
     logger.warning("fault drill %s: injecting", fault.name)
     injected = time.monotonic()
     try:

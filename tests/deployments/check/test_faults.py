@@ -200,6 +200,7 @@ class Drills:
             inject,
             blast=frozenset(),
             recovered=model_answers(self.url, KEY, "tiny"),
+            inject_during=frozenset({"tiny"}),
         )
 
     # ---- a tenant's adapter files ---------------------------------------------------------
@@ -315,7 +316,7 @@ class Drills:
             lambda: self._kill(processes.replica_title(APP, "model-tiny-b")),
             blast=frozenset({"tiny-b"}),
             recovered=model_answers(self.url, KEY, "tiny-b"),
-            mid_request=True,
+            inject_during=frozenset({"tiny-b"}),
         )
 
     def tp_worker_killed(self) -> Fault:
@@ -324,7 +325,7 @@ class Drills:
             lambda: self._kill(processes.TP_WORKER),
             blast=frozenset({"tiny-tp"}),
             recovered=model_answers(self.url, KEY, "tiny-tp"),
-            mid_request=True,
+            inject_during=frozenset({"tiny-tp"}),
         )
 
     def ingress_killed(self) -> Fault:
@@ -335,7 +336,7 @@ class Drills:
             blast=frozenset({"tiny", "tiny-b", "tiny-tp"}),
             recovered=lambda: http_status(f"{self.url}/health", None) == 200 and answers(),
             may_drop=True,
-            mid_request=True,
+            inject_during=frozenset({"tiny", "tiny-b", "tiny-tp"}),
         )
 
 
@@ -400,12 +401,14 @@ def test_each_fault_ends_requests_cleanly_and_recovers_within_60_s(fault_run, na
     assert drill.recovery_s < 60, report.table()
 
 
-def test_kills_landed_on_requests_in_flight(fault_run):
+def test_kills_and_the_poison_landed_on_requests_in_flight(fault_run):
     report, _, _, _ = fault_run
     for name in ("model replica killed", "tensor-parallel worker killed", "ingress replica killed"):
         drill = _drill(report, name)
         assert drill.in_flight_at_injection > 0, report.table()
         assert sum(drill.touched.values()) > 0, report.table()
+    poisoned = _drill(report, "engine raises for one request")
+    assert poisoned.in_flight_at_injection > 0 and poisoned.untouched["ok"] > 0, report.table()
 
 
 def test_no_request_hung_and_traffic_flowed_throughout(fault_run):

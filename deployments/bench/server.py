@@ -14,11 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from loraplex.deployments.check.probes import http_status
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +36,6 @@ def default_stop_signals() -> None:
         signal.signal(stop_signal, signal.SIG_DFL)
 
 
-def _get(url: str, api_key: str | None) -> int:
-    request = urllib.request.Request(url)
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
-
-
 @dataclass
 class ServeApp:
     """`with ServeApp(config, url, log_path): ...` runs the app for the block."""
@@ -64,7 +51,7 @@ class ServeApp:
     process: subprocess.Popen | None = None
 
     def __enter__(self) -> ServeApp:
-        if _get(f"{self.url}/health", None):
+        if http_status(f"{self.url}/health", None):
             raise RuntimeError(f"something already answers on {self.url}; stop it first")
         serve_cli = Path(sys.executable).with_name("serve")
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -96,8 +83,8 @@ class ServeApp:
             if self.process.poll() is not None:
                 tail = Path(self.log_path).read_text()[-3000:]
                 raise RuntimeError(f"serve run exited with {self.process.returncode}:\n{tail}")
-            if _get(f"{self.url}/health", None) == 200:
-                if _get(f"{self.url}/v1/models", self.api_key) == 200:
+            if http_status(f"{self.url}/health", None) == 200:
+                if http_status(f"{self.url}/v1/models", self.api_key) == 200:
                     logger.info("app ready after %.1fs", time.monotonic() - started)
                     return
             if time.monotonic() - started > self.start_timeout_s:

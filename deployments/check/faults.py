@@ -15,18 +15,19 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loraplex.deployments.check.probes import http_status
 from loraplex.deployments.check.traffic import KINDS, Outcome, Traffic, tally
 
 logger = logging.getLogger(__name__)
 
 RECOVERY_BOUND_S = 60.0
 PROBE_PERIOD_S = 0.25
+SETTLE_S = 2.0
+"""Traffic kept flowing after recovery before a drill's window closes."""
 
 
 class DrillFailure(AssertionError):
@@ -54,8 +55,6 @@ class Fault:
     inject_during: frozenset[str] = frozenset()
     """Inject only while a request to one of these models (as in `blast`) is in flight,
     so the fault lands mid-request or mid-batch; empty: at once."""
-    settle_s: float = 2.0
-    """Traffic kept flowing after recovery before the window closes."""
 
 
 @dataclass
@@ -82,10 +81,6 @@ class DrillResult:
 class FaultReport:
     drills: list[DrillResult] = field(default_factory=list)
 
-    @property
-    def problems(self) -> list[str]:
-        return [f"{d.name}: {p}" for d in self.drills for p in d.problems]
-
     def table(self) -> str:
         head = (
             "| fault | in flight at injection | touched: ok / error / dropped / hung | "
@@ -93,24 +88,6 @@ class FaultReport:
             "|---|---:|---|---|---:|"
         )
         return head + "\n" + "\n".join(d.row() for d in self.drills)
-
-
-def http_status(
-    url: str, api_key: str | None, body: bytes | None = None, timeout: float = 10
-) -> int:
-    """The status of one GET (POST with `body`, JSON); 0 when nothing answered."""
-    request = urllib.request.Request(url, data=body, method="POST" if body else "GET")
-    request.add_header("Content-Type", "application/json")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            response.read()
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 def model_answers(url: str, api_key: str, model: str) -> Callable[[], bool]:
@@ -141,7 +118,7 @@ def run_drill(traffic: Traffic, fault: Fault, bound_s: float = RECOVERY_BOUND_S)
         time.sleep(PROBE_PERIOD_S)
     else:
         result.recovery_s = time.monotonic() - injected
-    time.sleep(fault.settle_s)
+    time.sleep(SETTLE_S)
     closed = time.monotonic()
     traffic.wait_for_ends(closed)
     window = traffic.between(injected, closed)

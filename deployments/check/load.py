@@ -15,14 +15,13 @@ import asyncio
 import json
 import random
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from loraplex.deployments.check.probes import metric_sums
 from loraplex.deployments.check.soak import request_body
 
 ALLOWED = (200, 429, 503)
@@ -91,23 +90,6 @@ class Phase:
 
 def format_memory(memory_mib: dict[str, float]) -> str:
     return ", ".join(f"{name} {mib:.0f}" for name, mib in sorted(memory_mib.items())) or "-"
-
-
-def memory_mib(url: str, operator_key: str) -> dict[str, float]:
-    """`loraplex_process_resident_memory_bytes` from /metrics, MiB per component."""
-    request = urllib.request.Request(
-        f"{url}/metrics", headers={"Authorization": f"Bearer {operator_key}"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        text = response.read().decode()
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != MEMORY_METRIC:
-            continue
-        for sample in family.samples:
-            component = sample.labels.get("component", "?")
-            totals[component] = totals.get(component, 0.0) + sample.value / 2**20
-    return totals
 
 
 @dataclass
@@ -252,7 +234,10 @@ async def _memory(url: str, plan: LoadPlan) -> dict[str, float]:
     if plan.operator_key is None:
         return {}
     await asyncio.sleep(MEMORY_EXPORT_S)
-    return await asyncio.to_thread(memory_mib, url, plan.operator_key)
+    by_component = await asyncio.to_thread(
+        metric_sums, url, plan.operator_key, (MEMORY_METRIC,), "component"
+    )
+    return {component: value / 2**20 for component, value in by_component.items()}
 
 
 def run_load(

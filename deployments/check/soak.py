@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from loraplex.deployments.check.probes import metric_sums
 from loraplex.deployments.check.verdict import judge
 
 logger = logging.getLogger(__name__)
@@ -205,24 +206,7 @@ async def _run(url: str, api_key: str, plan: SoakPlan, report: SoakReport, progr
 
 def read_gauges(url: str, operator_key: str) -> dict[str, float]:
     """IDLE_GAUGES from /metrics, each summed over its series."""
-    return read_totals(url, operator_key, IDLE_GAUGES)
-
-
-def read_totals(url: str, operator_key: str, names: tuple[str, ...]) -> dict[str, float]:
-    """The metrics `names` from /metrics, each summed over its series."""
-    import urllib.request
-
-    request = urllib.request.Request(
-        f"{url}/metrics", headers={"Authorization": f"Bearer {operator_key}"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        text = response.read().decode()
-    totals = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
+    return metric_sums(url, operator_key, IDLE_GAUGES)
 
 
 def wait_idle(url: str, operator_key: str, timeout_s: float = IDLE_TIMEOUT_S) -> dict[str, float]:
@@ -247,5 +231,5 @@ def run_soak(
     asyncio.run(_run(url, api_key, plan, report, progress))
     report.elapsed_s = time.monotonic() - started
     report.idle_gauges = wait_idle(url, operator_key)
-    report.preemptions = read_totals(url, operator_key, (PREEMPTIONS,))[PREEMPTIONS]
+    report.preemptions = metric_sums(url, operator_key, (PREEMPTIONS,))[PREEMPTIONS]
     return report

@@ -22,6 +22,7 @@ import subprocess
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,10 @@ from loraplex.deployments.check.faults import (
     DrillFailure,
     Fault,
     FaultReport,
-    http_status,
     model_answers,
     run_drill,
 )
+from loraplex.deployments.check.probes import http_status
 from loraplex.deployments.check.soak import wait_idle
 from loraplex.deployments.check.traffic import Traffic
 from loraplex.deployments.tenants import hash_key
@@ -226,36 +227,38 @@ class Drills:
         shutil.copytree(self.source, self.folder)
         self._unload()
 
-    def adapter_deleted(self) -> Fault:
+    def _adapter_damaged(self, name: str, damage: Callable[[], str], what: str) -> Fault:
+        """`damage` the tenant adapter's files while traffic uses it, then unload it: the
+        next load must be a clean refusal; the files restored and unloaded again, it
+        serves."""
+
         def inject() -> str:
-            shutil.rmtree(self.folder)
+            done = damage()
             self._unload()
-            return "files deleted, adapter unloaded: " + self._expect_clean_refusal("deleted")
+            return f"{done}, adapter unloaded: " + self._expect_clean_refusal(what)
 
         return Fault(
-            "adapter files deleted in use",
+            name,
             inject,
             blast=frozenset({"tiny:ta"}),
             repair=self._restore,
             recovered=model_answers(self.url, KEY, "tiny:ta"),
         )
+
+    def adapter_deleted(self) -> Fault:
+        def delete() -> str:
+            shutil.rmtree(self.folder)
+            return "files deleted"
+
+        return self._adapter_damaged("adapter files deleted in use", delete, "deleted")
 
     def adapter_corrupted(self) -> Fault:
-        def inject() -> str:
+        def corrupt() -> str:
             weights = self.folder / "adapter_model.safetensors"
             weights.write_bytes(os.urandom(weights.stat().st_size))
-            self._unload()
-            return "weights overwritten, adapter unloaded: " + self._expect_clean_refusal(
-                "corrupted"
-            )
+            return "weights overwritten"
 
-        return Fault(
-            "adapter files corrupted in use",
-            inject,
-            blast=frozenset({"tiny:ta"}),
-            repair=self._restore,
-            recovered=model_answers(self.url, KEY, "tiny:ta"),
-        )
+        return self._adapter_damaged("adapter files corrupted in use", corrupt, "corrupted")
 
     # ---- the adapter root's disk ----------------------------------------------------------
     def disk_full(self) -> Fault:

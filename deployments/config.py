@@ -69,6 +69,13 @@ class ModelDeploymentConfig(StrictConfig):
         "so a step sends about this many messages (platform/async_engine.py _Coalescing); "
         "0: every token is its own event",
     )
+    admission_max_wait_s: float | None = Field(
+        10.0,
+        gt=0,
+        description="a request the replica estimates it could not start within this many "
+        "seconds of its arrival at the ingress gets 503 + Retry-After at once "
+        "(deployments/admission.py); null: never refused for load",
+    )
     fault_injection: bool = Field(
         False,
         description="let callers of the deployment handle arm engine failpoints "

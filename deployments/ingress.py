@@ -30,7 +30,7 @@ import time
 import types
 import urllib.request
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import ray
 from fastapi import FastAPI, Request
@@ -61,13 +61,15 @@ from loraplex.deployments.protocol import (
     ArmFailpointRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     RegisterAdapterRequest,
     SamplingFields,
+    TokenizeRequest,
     new_id,
 )
-from loraplex.deployments.responses import ChoiceAccumulator, sse
+from loraplex.deployments.responses import ChoiceAccumulator, batch_body, sse, usage_chunk
 from loraplex.deployments.routing import Route, resolve_model, visible_adapters
 from loraplex.deployments.tenants import (
     AuthError,
@@ -90,6 +92,10 @@ app = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA servin
 REQUEST_BODIES = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/v1/tokenize", "post"): TokenizeRequest,
+    ("/tokenize", "post"): TokenizeRequest,
+    ("/v1/detokenize", "post"): DetokenizeRequest,
+    ("/detokenize", "post"): DetokenizeRequest,
     ("/v1/adapters", "post"): RegisterAdapterRequest,
     ("/v1/admin/failpoints", "post"): ArmFailpointRequest,
 }
@@ -233,8 +239,70 @@ def prompt_tokens_estimate(call: GenerateCall) -> int:
     if call.prompt is not None:
         return len(call.prompt.encode("utf-8", "replace")) + 8
     messages = call.messages or []
-    content = sum(len(m.get("content", "").encode("utf-8", "replace")) + 8 for m in messages)
+    content = sum(len(json.dumps(m).encode("utf-8", "replace")) + 8 for m in messages)
     return content + CHAT_TEMPLATE_TOKENS
+
+
+async def _collect(accumulator: ChoiceAccumulator, first: StreamStep, steps) -> None:
+    """Adds a call's steps to its accumulator until it ends; raises its error."""
+    accumulator.add(first)
+    async for step in steps:
+        if isinstance(step, GenerateError):
+            raise _generate_error(step)
+        accumulator.add(step)
+
+
+async def _collect_all(streams: list[tuple[ChoiceAccumulator, StreamStep, Any]]) -> None:
+    """`_collect` for every call at once; when one fails (or the caller is cancelled),
+    the other calls are cancelled and the failure is raised."""
+    if len(streams) == 1:
+        await _collect(*streams[0])
+        return
+    tasks = [asyncio.create_task(_collect(*stream)) for stream in streams]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for _, _, steps in streams:
+            steps.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _interleaved(streams: list[tuple[ChoiceAccumulator, StreamStep, Any]]):
+    """(accumulator, step) from every call's remaining steps, in arrival order; one call
+    reads its own stream directly."""
+    if len(streams) == 1:
+        accumulator, _, steps = streams[0]
+        async for step in steps:
+            yield accumulator, step
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(accumulator: ChoiceAccumulator, steps) -> None:
+        try:
+            async for step in steps:
+                await arrived.put((accumulator, step))
+        except BaseException as exc:
+            await arrived.put((accumulator, exc))
+            return
+        await arrived.put((accumulator, done))
+
+    pumps = [asyncio.create_task(pump(a, steps)) for a, _, steps in streams]
+    try:
+        remaining = len(pumps)
+        while remaining:
+            accumulator, item = await arrived.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield accumulator, item
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 def _generate_error(error: GenerateError) -> OpenAIError:
@@ -358,31 +426,89 @@ class OpenAIIngress:
         ]
         return ModelList(data=cards)
 
+    # ---- tokenizer ---------------------------------------------------------------------
+    @app.post("/v1/tokenize")
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> dict:
+        """A prompt's (or chat messages') token ids under the model's tokenizer; an
+        adapter name tokenizes as its base model."""
+        tenant = self._tenant(request)
+        body = await parse_body(request, TokenizeRequest)
+        route = resolve_model(tenant, body.model, self.bases, self.catalog)
+        messages = [m.for_template() for m in body.messages] if body.messages else None
+        return await self._ask_model(
+            route.base,
+            "tokenize",
+            body.prompt,
+            messages,
+            body.add_special_tokens,
+            body.add_generation_prompt,
+        )
+
+    @app.post("/v1/detokenize")
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> dict:
+        """The text of token ids under the model's tokenizer."""
+        tenant = self._tenant(request)
+        body = await parse_body(request, DetokenizeRequest)
+        route = resolve_model(tenant, body.model, self.bases, self.catalog)
+        return await self._ask_model(route.base, "detokenize", body.tokens)
+
+    async def _ask_model(self, base: str, method: str, *args: object) -> dict:
+        """One call of a model deployment's plain (non-streaming) `method`; its
+        GenerateError as an OpenAI error, an overloaded or failed replica as a 503."""
+        request_id = new_id(method)
+        try:
+            result = await getattr(self.servers[base], method).remote(*args)
+        except BackPressureError:
+            raise OpenAIError(
+                503,
+                f"model {base!r} is overloaded, retry later",
+                retry_after_s=OVERLOAD_RETRY_AFTER_S,
+            ) from None
+        except RayError as exc:
+            raise replica_failed(base, request_id, exc) from None
+        if isinstance(result, GenerateError):
+            raise _generate_error(result)
+        return result
+
     # ---- generation ------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        received_at = time.time()
         tenant = self._tenant(request)
         body = await parse_body(request, CompletionRequest)
-        call = GenerateCall(
-            request_id=new_id("cmpl"),
-            params=self._params(body, body.max_tokens, body.logprobs),
-            prompt=body.prompt,
-            max_tokens_given=body.max_tokens is not None,
-        )
-        return await self._respond(tenant, body, call, chat=False)
+        params = self._params(body, body.max_tokens, body.logprobs)
+        response_id = new_id("cmpl")
+        prompts = body.prompts
+        calls = [
+            GenerateCall(
+                request_id=response_id if len(prompts) == 1 else f"{response_id}-{index}",
+                params=params,
+                prompt=prompt,
+                max_tokens_given=body.max_tokens is not None,
+                received_at=received_at,
+                echo=body.echo,
+            )
+            for index, prompt in enumerate(prompts)
+        ]
+        return await self._respond(tenant, body, response_id, calls, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        received_at = time.time()
         tenant = self._tenant(request)
         body = await parse_body(request, ChatCompletionRequest)
         top = body.top_logprobs if body.top_logprobs is not None else 0
+        response_id = new_id("chatcmpl")
         call = GenerateCall(
-            request_id=new_id("chatcmpl"),
+            request_id=response_id,
             params=self._params(body, body.requested_max_tokens, top if body.logprobs else None),
-            messages=[m.model_dump(exclude_none=True) for m in body.messages],
+            messages=[m.for_template() for m in body.messages],
             max_tokens_given=body.requested_max_tokens is not None,
+            received_at=received_at,
         )
-        return await self._respond(tenant, body, call, chat=True)
+        return await self._respond(tenant, body, response_id, [call], chat=True)
 
     @staticmethod
     def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None):
@@ -392,58 +518,92 @@ class OpenAIIngress:
             raise OpenAIError(400, str(exc)) from None
 
     async def _respond(
-        self, tenant: Tenant, body: SamplingFields, call: GenerateCall, chat: bool
+        self,
+        tenant: Tenant,
+        body: SamplingFields,
+        response_id: str,
+        calls: list[GenerateCall],
+        chat: bool,
     ) -> Response:
+        """Runs `calls` (one per prompt of the request) on the model `body.model` names;
+        answers with their choices in one body or one stream, prompt i's completions at
+        indices i*n .. i*n+n-1."""
         route = resolve_model(tenant, body.model, self.bases, self.catalog)
-        call = dataclasses.replace(
-            call,
-            tenant=tenant.name,
-            adapter=route.adapter.public_id if route.adapter else None,
-            max_request_tokens=tenant.tokens_per_minute,
-            cache_salt=tenant.name if self.tenants.auth_enabled else None,
-        )
-        estimate = prompt_tokens_estimate(call) + call.params.n * call.params.max_tokens
+        calls = [
+            dataclasses.replace(
+                call,
+                tenant=tenant.name,
+                adapter=route.adapter.public_id if route.adapter else None,
+                max_request_tokens=tenant.tokens_per_minute,
+                cache_salt=tenant.name if self.tenants.auth_enabled else None,
+            )
+            for call in calls
+        ]
+        n = body.n
+        estimate = sum(prompt_tokens_estimate(c) + n * c.params.max_tokens for c in calls)
         try:
             reserved = self.limits.admit(tenant, estimate)
         except RateLimited as exc:
             self.metrics.record(tenant.name, 429)
             raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
         self._record_usage(tenant)
-        accumulator = ChoiceAccumulator(call.request_id, body.model, chat, call.params.n)
+        accumulators = [
+            ChoiceAccumulator(response_id, body.model, chat, n, first_index=i * n)
+            for i in range(len(calls))
+        ]
         try:
-            steps, first = await self._start(route, call)
+            started = await self._start_all(route, calls)
         except BaseException:
             self.limits.release(tenant, 0, reserved)
             self._record_usage(tenant)
             raise
-        reserved = self.limits.settle(tenant, reserved, first.worst_case_tokens)
+        worst = sum(first.worst_case_tokens for _, first in started)
+        reserved = self.limits.settle(tenant, reserved, worst)
         self._record_usage(tenant)
         logger.info(
-            "request %s tenant=%s model=%s stream=%s",
-            call.request_id,
+            "request %s tenant=%s model=%s stream=%s prompts=%d",
+            response_id,
             tenant.name,
             body.model,
             body.stream,
+            len(calls),
         )
         if self.log_prompts:
-            logger.info("request %s prompt: %r", call.request_id, call.messages or call.prompt)
+            for call in calls:
+                logger.info("request %s prompt: %r", call.request_id, call.messages or call.prompt)
+        streams = [
+            (accumulator, first, steps)
+            for accumulator, (steps, first) in zip(accumulators, started, strict=True)
+        ]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(tenant, accumulator, first, steps, include_usage, reserved),
+                self._stream(tenant, streams, include_usage, reserved),
                 media_type="text/event-stream",
             )
         try:
-            accumulator.add(first)
-            async for step in steps:
-                if isinstance(step, GenerateError):
-                    raise _generate_error(step)
-                accumulator.add(step)
+            await _collect_all(streams)
         except RayError as exc:
-            raise replica_failed(route.base, call.request_id, exc) from None
+            raise replica_failed(route.base, response_id, exc) from None
         finally:
-            self._finish(tenant, accumulator, reserved)
-        return JSONResponse(accumulator.final())
+            self._finish(tenant, accumulators, reserved)
+        return JSONResponse(batch_body(accumulators))
+
+    async def _start_all(self, route: Route, calls: list[GenerateCall]):
+        """`_start` for every call at once; when one fails, the others are cancelled and
+        its error is raised."""
+        if len(calls) == 1:
+            return [await self._start(route, calls[0])]
+        results = await asyncio.gather(
+            *(self._start(route, call) for call in calls), return_exceptions=True
+        )
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is None:
+            return results
+        for result in results:
+            if not isinstance(result, BaseException):
+                result[0].cancel()
+        raise failure
 
     async def _start(self, route: Route, call: GenerateCall):
         """Calls the model deployment; returns (response stream, its first step)."""
@@ -478,11 +638,12 @@ class OpenAIIngress:
             raise _generate_error(first)
         return steps, first
 
-    def _finish(self, tenant: Tenant, accumulator: ChoiceAccumulator, reserved: int) -> None:
-        output_tokens = sum(accumulator.completion_tokens)
-        self.limits.release(tenant, accumulator.prompt_tokens + output_tokens, reserved)
+    def _finish(self, tenant: Tenant, accumulators: list[ChoiceAccumulator], reserved: int) -> None:
+        prompt_tokens = sum(a.prompt_tokens for a in accumulators)
+        output_tokens = sum(sum(a.completion_tokens) for a in accumulators)
+        self.limits.release(tenant, prompt_tokens + output_tokens, reserved)
         self._record_usage(tenant)
-        self.metrics.record(tenant.name, 200, accumulator.prompt_tokens, output_tokens)
+        self.metrics.record(tenant.name, 200, prompt_tokens, output_tokens)
 
     def _record_usage(self, tenant: Tenant) -> None:
         in_flight, reserved = self.limits.in_use(tenant)
@@ -491,18 +652,20 @@ class OpenAIIngress:
     async def _stream(
         self,
         tenant: Tenant,
-        accumulator: ChoiceAccumulator,
-        first: StreamStep,
-        steps,
+        streams: list[tuple[ChoiceAccumulator, StreamStep, Any]],
         include_usage: bool,
         reserved: int,
     ) -> AsyncIterator[str]:
         started = time.monotonic()
+        accumulators = [accumulator for accumulator, _, _ in streams]
+        head = accumulators[0]
         finished = False
+        completed = False
         try:
-            for chunk in accumulator.chunks(first):
-                yield sse(chunk)
-            async for step in steps:
+            for accumulator, first, _ in streams:
+                for chunk in accumulator.chunks(first):
+                    yield sse(chunk)
+            async for accumulator, step in _interleaved(streams):
                 if isinstance(step, GenerateError):
                     yield _error_event(_generate_error(step))
                     finished = True
@@ -510,22 +673,22 @@ class OpenAIIngress:
                 for chunk in accumulator.chunks(step):
                     yield sse(chunk)
             if include_usage:
-                yield sse(accumulator.usage_chunk())
+                yield sse(usage_chunk(accumulators))
             yield "data: [DONE]\n\n"
-            finished = True
+            finished = completed = True
         except RayError as exc:
             # Headers are gone: the failure becomes an OpenAI error event, which the SDK
             # raises as an APIError, and the stream ends.
-            yield _error_event(replica_failed(accumulator.model, accumulator.request_id, exc))
+            yield _error_event(replica_failed(head.model, head.request_id, exc))
             finished = True
         finally:
+            if not completed:
+                for _, _, steps in streams:
+                    steps.cancel()
             if not finished:
-                steps.cancel()
-                logger.info("request %s: client went away, aborted", accumulator.request_id)
-            self._finish(tenant, accumulator, reserved)
-        logger.info(
-            "request %s streamed in %.2fs", accumulator.request_id, time.monotonic() - started
-        )
+                logger.info("request %s: client went away, aborted", head.request_id)
+            self._finish(tenant, accumulators, reserved)
+        logger.info("request %s streamed in %.2fs", head.request_id, time.monotonic() - started)
 
     # ---- admin API: a tenant's own adapters -----------------------------------------------
     @app.get("/v1/adapters")

@@ -95,6 +95,11 @@ class EngineMetrics:
             "Running requests preempted (their KV blocks freed, recomputed later)",
             keys,
         )
+        self.refused = metrics.Counter(
+            "loraplex_requests_refused_total",
+            "Requests refused at admission: they could not start within admission_max_wait_s",
+            keys,
+        )
         self.restarts = metrics.Gauge(
             "loraplex_engine_restarts",
             "Times the replica's engine restarted in place after a failed step",

@@ -18,6 +18,9 @@ Its jobs:
 - load tenant adapters under their owner's root without following links, one copy per
   catalog version (an unload forces a fresh read);
 - keep each tenant's prefix-cache entries apart (`GenerateCall.cache_salt`);
+- refuse, with 503 + Retry-After, a request it could not start within
+  `admission_max_wait_s` of its arrival at the ingress (admission.py), so that under
+  overload the admitted requests are answered in time instead of all of them late;
 - arm failpoints (platform/failpoints.py) when the config allows fault injection;
 - record engine and request metrics (metrics.py);
 - fail `check_health` when the engine loop is dead, so Serve replaces the replica;
@@ -34,10 +37,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ray import serve
 
 from loraplex.adapters.peft_format import LoRAAdapter
+from loraplex.deployments.admission import AdmissionControl
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
 from loraplex.deployments.config import ModelDeploymentConfig, model_deployment_name
 from loraplex.deployments.logs import send_platform_logs_to_serve
@@ -58,7 +63,8 @@ class GenerateCall:
     request_id: str
     params: SamplingParams
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    """Chat messages as the chat template reads them (`ChatMessage.for_template`)."""
     tenant: str = ""
     adapter: str | None = None
     """Public adapter id ('base:name') for logs and metrics."""
@@ -70,6 +76,11 @@ class GenerateCall:
     max_tokens) exceeds it can never pass and is refused (400)."""
     cache_salt: str | None = None
     """Prefix-cache namespace (the tenant); None shares the cache with every caller."""
+    received_at: float | None = None
+    """`time.time()` when the ingress received the request: time spent queued before
+    the replica counts toward its admission wait (None: not known)."""
+    echo: bool = False
+    """The first step carries the prompt's text (`StreamStep.echo_text`)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,8 @@ class StreamStep:
     against the tenant's token budget until the request ends."""
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (the caller's own namespace)."""
+    echo_text: str | None = None
+    """The prompt's text, on the first step of a call that asked for `echo`."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,9 @@ class ModelServer:
         replica = serve.get_replica_context().replica_id.unique_id if _in_serve() else "local"
         self.metrics = EngineMetrics(config.name, replica)
         self.memory = ProcessMemory(model_deployment_name(config.name), replica)
+        self.admission = AdmissionControl(
+            config.admission_max_wait_s, engine_config.scheduler.max_num_seqs
+        )
 
         # A plain function, not the bound method: Serve caches its state on the callable.
         async def load_resident(model_id: str) -> ResidentAdapter:
@@ -250,6 +266,13 @@ class ModelServer:
     async def generate(self, call: GenerateCall) -> AsyncIterator[StreamStep | GenerateError]:
         """Streams StreamSteps; a GenerateError is the only item when the input is bad."""
         started = time.perf_counter()
+        waited_s = time.time() - call.received_at if call.received_at is not None else 0.0
+        refusal = self.admission.admit(call.request_id, call.params.n, waited_s)
+        if refusal is not None:
+            logger.info("request %s refused: %s", call.request_id, refusal.message)
+            self.metrics.refused.inc(1, self.metrics.tags)
+            yield GenerateError(503, refusal.message, retry_after_s=refusal.retry_after_s)
+            return
         first_token_s = None
         tracker = DeltaTracker(call.params.n)
         prompt_tokens = 0
@@ -265,11 +288,15 @@ class ModelServer:
                 adapter=lora,
                 cache_salt=call.cache_salt,
             )
+            echo_text = self._prompt_text(call.prompt, prompt) if call.echo else None
             async for output in stream:
                 step = tracker.step(output)
+                if echo_text is not None:
+                    step, echo_text = dataclasses.replace(step, echo_text=echo_text), None
                 prompt_tokens = step.prompt_tokens
                 if first_token_s is None and any(d.num_new_tokens for d in step.deltas):
                     first_token_s = time.perf_counter() - started
+                    self.admission.started(call.request_id)
                 yield step
         except (ValueError, LookupError) as exc:
             logger.info("request %s rejected: %s", call.request_id, exc)
@@ -283,6 +310,8 @@ class ModelServer:
             logger.warning("request %s dropped by an engine restart", call.request_id)
             yield GenerateError(503, f"{exc}; retry", retry_after_s=1)
             return
+        finally:
+            self.admission.finish(call.request_id)
         elapsed = time.perf_counter() - started
         self.metrics.record_request(
             call.adapter, prompt_tokens, tracker.num_tokens, first_token_s, elapsed
@@ -296,6 +325,33 @@ class ModelServer:
             tracker.num_tokens,
             elapsed,
         )
+
+    def _prompt_text(self, prompt: str | list[int] | None, ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.engine.detokenize(ids)
+
+    def tokenize(
+        self,
+        prompt: str | None,
+        messages: list[dict[str, Any]] | None,
+        add_special_tokens: bool,
+        add_generation_prompt: bool,
+    ) -> dict | GenerateError:
+        """/v1/tokenize: the token ids of a prompt or of chat messages (through the chat
+        template); a GenerateError (400) when the tokenizer or template refuses them."""
+        try:
+            ids = self.engine.token_ids(prompt, messages, add_special_tokens, add_generation_prompt)
+        except ValueError as exc:
+            return GenerateError(400, str(exc))
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    def detokenize(self, tokens: list[int]) -> dict | GenerateError:
+        """/v1/detokenize: the text of token ids; 400 for ids outside the vocabulary."""
+        try:
+            return {"prompt": self.engine.detokenize(tokens)}
+        except ValueError as exc:
+            return GenerateError(400, str(exc), param="tokens")
 
     def ready(self) -> str:
         """Answers once this replica is up (constructed and warmed up): the ingress's

@@ -1,19 +1,22 @@
-"""OpenAI request/response schema (the subset we serve), validated once at the edge.
+"""OpenAI request/response schema, validated once at the edge.
 
-Unknown fields are rejected (400) rather than silently ignored, so a client relying on
-a parameter we do not implement finds out at once. Every number has bounds the engine
-can represent (NaN and Infinity are refused everywhere); what depends on the model
-(top_k against its vocabulary, token ids, lengths against the context and the KV
-cache) is checked by the model server before the request reaches the engine.
+Fields the OpenAI API defines but that change nothing on this server are accepted and
+ignored (`IGNORED_FIELDS`, documented in the README); any other unknown field is
+rejected (400 naming it), so a client relying on a parameter we do not implement finds
+out at once. Every number has bounds the engine can represent (NaN and Infinity are
+refused everywhere); what depends on the model (top_k and token ids against its
+vocabulary, lengths against the context and the KV cache) is checked by the model
+server before the request reaches the engine.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loraplex.deployments.catalog import ADAPTER_NAME
 from loraplex.platform.failpoints import NAMES as FAILPOINT_NAMES
@@ -28,9 +31,44 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    """Ignored: this server adds no obfuscation padding to stream events."""
 
 
-class SamplingFields(StrictModel):
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPTS = 64
+"""Prompts in one /v1/completions batch."""
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class IgnoredFields(StrictModel):
+    """OpenAI fields accepted and ignored: they change nothing on this server."""
+
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    service_tier: str | None = Field(default=None, max_length=64)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+
+
+IGNORED_FIELDS = {
+    "store": "nothing is stored: no completion is kept after it is answered",
+    "metadata": "only meaningful with `store`",
+    "service_tier": "one tier; the response does not echo it",
+    "prompt_cache_key": "prefix caching is automatic, per tenant",
+    "safety_identifier": "no abuse monitoring here (use `user` for the request logs)",
+    "stream_options.include_obfuscation": "stream events carry no padding",
+    "parallel_tool_calls": "(chat) tool calls are not parsed yet",
+    "reasoning_effort": "(chat) the served models do not reason in hidden tokens",
+    "verbosity": "(chat) no effect on these models",
+    "modalities": '(chat) only ["text"] is accepted',
+    "prediction": "(chat) a predicted output changes only speed, not the answer",
+}
+"""Field -> why it changes nothing (the README's list is this one)."""
+
+
+class SamplingFields(IgnoredFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str = Field(min_length=1, max_length=256)
@@ -50,6 +88,21 @@ class SamplingFields(StrictModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     ignore_eos: bool = False
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS
+    )
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isascii() or not key.isdigit() or int(key) > INT32_MAX:
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -72,28 +125,147 @@ class SamplingFields(StrictModel):
             seed=self.seed,
             max_tokens=max_tokens,
             stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            min_tokens=self.min_tokens,
+            logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
         )
 
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: Literal[False] = False
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
-    @field_validator("prompt")
-    @classmethod
-    def _token_ids_non_negative(cls, value: str | list[int]) -> str | list[int]:
-        if isinstance(value, list) and any(t < 0 for t in value):
-            raise ValueError("token ids must be >= 0")
-        return value
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(description="a string, token ids, or a batch of either")
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: None = Field(default=None, description="not supported: must be absent or null")
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch: one prompt per entry."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+    @model_validator(mode="after")
+    def _batch_size(self) -> CompletionRequest:
+        if len(self.prompts) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (the prompt's logprobs) is not supported")
+        return self
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class RefusalPart(StrictModel):
+    """An assistant message's refusal, as a previous answer carried it."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+TEXT_PART_TYPES = ("text", "refusal")
+
+
+class FunctionCall(StrictModel):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(max_length=1 << 20, description="JSON text, as the model wrote it")
+
+
+class ToolCall(StrictModel):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str
-    name: str | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[ContentPart], Field(max_length=1024)] | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+    refusal: str | None = None
+    """An assistant message's refusal from a previous answer; not shown to the model."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        parts = data.get("content") if isinstance(data, dict) else None
+        if isinstance(parts, list):
+            for part in parts:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind not in TEXT_PART_TYPES:
+                    raise ValueError(
+                        f"content part type {kind!r} is not supported: the models served "
+                        "here read text parts only"
+                    )
+        return data
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries tool calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool_call_id: a tool message needs one, other roles have none")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                "content: required (only an assistant's tool-call message may omit it)"
+            )
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content; tool calls with their
+        arguments as an object when they are a JSON object."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _arguments(text: str) -> dict[str, Any] | str:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -101,10 +273,43 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = Field(default=None, max_length=32)
+    verbosity: str | None = Field(default=None, max_length=32)
+    modalities: list[Literal["text"]] | None = Field(default=None, max_length=1)
+    prediction: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(StrictModel):
+    """/v1/tokenize (vLLM's /tokenize): a prompt, or chat messages through the model's
+    chat template."""
+
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = Field(
+        default=True, description="the tokenizer's special tokens around `prompt`"
+    )
+    add_generation_prompt: bool = Field(
+        default=True, description="open the assistant's turn after `messages`"
+    )
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    """/v1/detokenize (vLLM's /detokenize): the text of token ids."""
+
+    model: str = Field(min_length=1, max_length=256)
+    tokens: list[TokenId] = Field(max_length=1 << 17)
 
 
 class Usage(BaseModel):

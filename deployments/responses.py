@@ -15,12 +15,17 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 class ChoiceAccumulator:
-    """Collects one request's deltas per choice; emits chunks or the final body."""
+    """Collects one prompt's deltas per choice; emits chunks or its choices. A request
+    with a batch of prompts has one per prompt, each numbering its choices from
+    `first_index` (prompt i of n-choice requests: i * n)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, n: int) -> None:
+    def __init__(
+        self, request_id: str, model: str, chat: bool, n: int, first_index: int = 0
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
+        self.first_index = first_index
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -28,62 +33,67 @@ class ChoiceAccumulator:
         self.completion_tokens = [0] * n
         self.finish_reasons: list[str | None] = [None] * n
         self.logprobs: list[list[Logprob]] = [[] for _ in range(n)]
-        self._role_sent = [False] * n
+        self._started = [False] * n
+        self._echo = ""
 
     @property
     def object_name(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
     def add(self, step: StreamStep) -> None:
+        self._take(step)
+
+    def _take(self, step: StreamStep) -> list[str]:
+        """Books a step; returns each delta's text as the client sees it (a completion's
+        first text led by the echoed prompt)."""
         self.prompt_tokens = step.prompt_tokens
         self.cached_tokens = step.cached_tokens
+        if step.echo_text is not None:
+            self._echo = step.echo_text
+        texts = []
         for delta in step.deltas:
-            self.texts[delta.index] += delta.text
+            text = delta.text
+            if not self._started[delta.index]:
+                text = self._echo + text
+                self._started[delta.index] = True
+            texts.append(text)
+            self.texts[delta.index] += text
             self.completion_tokens[delta.index] += delta.num_new_tokens
             self.logprobs[delta.index].extend(delta.logprobs)
             if delta.finish_reason is not None:
                 self.finish_reasons[delta.index] = _openai_finish(delta.finish_reason)
+        return texts
 
     def chunks(self, step: StreamStep) -> list[dict[str, Any]]:
-        self.add(step)
-        return [self._chunk(delta) for delta in step.deltas]
+        first = [not self._started[delta.index] for delta in step.deltas]
+        texts = self._take(step)
+        return [
+            self._chunk(delta, text, is_first)
+            for delta, text, is_first in zip(step.deltas, texts, first, strict=True)
+        ]
 
-    def _chunk(self, delta: StreamDelta) -> dict[str, Any]:
+    def _chunk(self, delta: StreamDelta, text: str, first: bool) -> dict[str, Any]:
         finish = _openai_finish(delta.finish_reason)
+        index = self.first_index + delta.index
         if self.chat:
-            content: dict[str, Any] = {"content": delta.text}
-            if not self._role_sent[delta.index]:
+            content: dict[str, Any] = {"content": text}
+            if first:
                 content["role"] = "assistant"
-                self._role_sent[delta.index] = True
-            choice: dict[str, Any] = {"index": delta.index, "delta": content}
+            choice: dict[str, Any] = {"index": index, "delta": content}
             choice["logprobs"] = _chat_logprobs(delta.logprobs) if delta.logprobs else None
         else:
-            choice = {"index": delta.index, "text": delta.text}
+            choice = {"index": index, "text": text}
             choice["logprobs"] = _completion_logprobs(delta.logprobs) if delta.logprobs else None
         choice["finish_reason"] = finish
-        return self._envelope(
+        return self.envelope(
             f"{self.object_name}.chunk" if self.chat else self.object_name, [choice]
         )
 
-    def usage(self) -> dict[str, Any]:
-        completion = sum(self.completion_tokens)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-    def usage_chunk(self) -> dict[str, Any]:
-        name = "chat.completion.chunk" if self.chat else "text_completion"
-        chunk = self._envelope(name, [])
-        chunk["usage"] = self.usage()
-        return chunk
-
-    def final(self) -> dict[str, Any]:
+    def choices(self) -> list[dict[str, Any]]:
         choices = []
-        for index, text in enumerate(self.texts):
-            logprobs = self.logprobs[index]
+        for offset, text in enumerate(self.texts):
+            logprobs = self.logprobs[offset]
+            index = self.first_index + offset
             if self.chat:
                 choice = {
                     "index": index,
@@ -96,13 +106,11 @@ class ChoiceAccumulator:
                     "text": text,
                     "logprobs": _completion_logprobs(logprobs) if logprobs else None,
                 }
-            choice["finish_reason"] = self.finish_reasons[index]
+            choice["finish_reason"] = self.finish_reasons[offset]
             choices.append(choice)
-        body = self._envelope(self.object_name, choices)
-        body["usage"] = self.usage()
-        return body
+        return choices
 
-    def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.request_id,
             "object": name,
@@ -110,6 +118,36 @@ class ChoiceAccumulator:
             "model": self.model,
             "choices": choices,
         }
+
+
+def usage(accumulators: list[ChoiceAccumulator]) -> dict[str, Any]:
+    prompt = sum(a.prompt_tokens for a in accumulators)
+    completion = sum(sum(a.completion_tokens) for a in accumulators)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(a.cached_tokens for a in accumulators)},
+    }
+
+
+def usage_chunk(accumulators: list[ChoiceAccumulator]) -> dict[str, Any]:
+    """The last stream event with `stream_options.include_usage`: no choices, the usage
+    of every prompt of the request."""
+    head = accumulators[0]
+    chunk = head.envelope("chat.completion.chunk" if head.chat else "text_completion", [])
+    chunk["usage"] = usage(accumulators)
+    return chunk
+
+
+def batch_body(accumulators: list[ChoiceAccumulator]) -> dict[str, Any]:
+    """The response body of a request: every prompt's choices, in index order, and the
+    usage summed over them."""
+    head = accumulators[0]
+    choices = [choice for a in accumulators for choice in a.choices()]
+    body = head.envelope(head.object_name, choices)
+    body["usage"] = usage(accumulators)
+    return body
 
 
 def _openai_finish(reason: str | None) -> str | None:

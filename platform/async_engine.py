@@ -39,7 +39,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
-from loraplex.platform.tokenizer import apply_chat_template
+from loraplex.platform.tokenizer import apply_chat_template, encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def prompt_ids(
-        self, prompt: str | Sequence[int] | None, messages: list[dict[str, str]] | None = None
+        self, prompt: str | Sequence[int] | None, messages: list[dict] | None = None
     ) -> list[int]:
         """A prompt's token ids: text or ids as given, or chat messages through the model's
         chat template (with the assistant's turn opened). Ids are checked when the
@@ -307,6 +307,24 @@ class AsyncEngine:
         if messages is None:
             return self.engine.tokenize(prompt if prompt is not None else "")
         return apply_chat_template(self.engine.tokenizer, messages)
+
+    def token_ids(
+        self,
+        prompt: str | None,
+        messages: list[dict] | None,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Text's token ids (with or without the tokenizer's special tokens), or chat
+        messages' through the chat template; ValueError when they cannot be tokenized."""
+        if messages is None:
+            return encode_text(self.engine.tokenizer, prompt or "", add_special_tokens)
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids` (special tokens kept); ValueError for ids outside the
+        vocabulary."""
+        return self.engine.detokenize(token_ids)
 
     def stats(self) -> dict[str, float]:
         """The engine's gauges and counters (LLMEngine.stats)."""

@@ -16,7 +16,9 @@ until it resolves. Text is decoded with `clean_up_tokenization_spaces=False`, th
 setting under which a windowed decode can agree with a full one.
 
 Stop strings: text is cut before the first stop string (after it with
-`include_stop_str_in_output`) and `finished_by_stop` names it. While the request runs,
+`include_stop_str_in_output`) and `finished_by_stop` names it. Before `min_tokens`
+tokens were generated, text is not searched (a stop string that ends in a later token
+is still found). While the request runs,
 a tail of text that could still grow into a stop string is held back from `text`;
 `full_text` also has that tail (and any unfinished character), for when the request
 ends some other way.
@@ -53,6 +55,8 @@ class IncrementalDetokenizer:
         self._skip_special = params.skip_special_tokens
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._generated = 0
         self._longest_stop = max((len(stop) for stop in self._stops), default=0)
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         """The window: ids already turned into text, then the open ones."""
@@ -82,6 +86,7 @@ class IncrementalDetokenizer:
         """
         if self.finished_by_stop is None and new_token_ids:
             self._ids.extend(new_token_ids)
+            self._generated += len(new_token_ids)
             self._stalled += len(new_token_ids)
             self._decode_window()
             self._check_stop()
@@ -112,6 +117,9 @@ class IncrementalDetokenizer:
 
     def _check_stop(self) -> None:
         if not self._stops:
+            return
+        if self._generated < self._min_tokens:
+            self._scanned = len(self._decoded)
             return
         start = max(0, self._scanned - self._longest_stop + 1)
         self._scanned = len(self._decoded)

@@ -276,6 +276,15 @@ class LLMEngine:
             return encode_text(self.tokenizer, prompt)
         return [int(t) for t in prompt]
 
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens kept; ValueError for ids outside the
+        vocabulary."""
+        vocab = self.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
     def make_request_group(
         self,
         request_id: str,
@@ -332,6 +341,9 @@ class LLMEngine:
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}")
+        bad_bias = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad_bias[:5]}")
         size = self.config.cache.block_size
         full_length = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
         shared_prompt_blocks = num_prompt_tokens // size

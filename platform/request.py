@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,10 @@ class SamplingParams:
     generated tokens) and HF (repetition: multiplicative, over prompt + generated)
     conventions. `seed` makes sampling reproducible per request. `logprobs=k` returns the
     sampled token's log-probability plus the top k alternatives at each step.
+    `logit_bias` adds a bias in [-100, 100] to the raw logits of token ids (a mapping or
+    (id, bias) pairs; kept as pairs sorted by id). `min_tokens`: until this many tokens
+    were generated, EOS and `stop_token_ids` cannot be sampled and stop strings are not
+    looked for (vLLM's rule).
     """
 
     n: int = 1
@@ -46,6 +51,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +60,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        self._check_token_rules()
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -77,6 +87,20 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.seed is not None and not SEED_MIN <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_LIMIT}), got {self.seed}")
+
+    def _check_token_rules(self) -> None:
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be >= 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or any(t < 0 for t in ids):
+            raise ValueError("logit_bias token ids must be distinct and >= 0")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:

@@ -3,6 +3,8 @@
 One step's R sampling rows arrive as `logits[R, V]` with one `Request` per row (a
 forked n > 1 child gets its own row, holding a copy of its parent's logits). Per row:
 
+    logits += logit_bias           (per token id)
+    logits[EOS, stop_token_ids] = -inf   while fewer than min_tokens were generated
     logits  = repetition penalty   (HF: over prompt + output ids; >0 divide, else multiply)
     logits -= frequency * count + presence * (count > 0)   (OpenAI: over output ids only)
     greedy rows:  token = argmax(logits)
@@ -90,17 +92,37 @@ class SamplingBatch:
     num_logprobs: list[int | None] = field(default_factory=list)
     """[R] how many top alternatives each row returns; None: no logprobs. Empty when no
     row asks for logprobs."""
+    bias_ids: torch.Tensor | None = None
+    """[R, K] int64, -1 padded: token ids of each row's logit_bias."""
+    bias_values: torch.Tensor | None = None
+    """[R, K] float32: their biases (0 under the padding)."""
+    suppressed_ids: torch.Tensor | None = None
+    """[R, L] int64, -1 padded: ids a row may not sample yet (EOS and stop_token_ids
+    before min_tokens)."""
 
     @classmethod
     def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
         params = [request.sampling_params for request in requests]
         wants_logprobs = any(p.logprobs is not None for p in params)
-        if not wants_logprobs and all(p.greedy and not p.uses_penalties for p in params):
+        suppressed = [_suppressed(request) for request in requests]
+        plain = all(
+            p.greedy and not p.uses_penalties and not p.logit_bias for p in params
+        ) and not any(suppressed)
+        if not wants_logprobs and plain:
             return cls(num_rows=len(requests), fast_greedy=True)
 
         batch = cls(num_rows=len(requests), fast_greedy=False)
         if wants_logprobs:
             batch.num_logprobs = [p.logprobs for p in params]
+        if any(p.logit_bias for p in params):
+            batch.bias_ids = _pad([[t for t, _ in p.logit_bias] for p in params], device)
+            values = [[b for _, b in p.logit_bias] for p in params]
+            width = batch.bias_ids.shape[1]
+            batch.bias_values = _column(
+                [row + [0.0] * (width - len(row)) for row in values], torch.float32, device
+            )
+        if any(suppressed):
+            batch.suppressed_ids = _pad(suppressed, device)
         batch._add_penalties(requests, device)
         batch.sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
         drawing = [params[row] for row in batch.sampled_rows]
@@ -156,6 +178,16 @@ class SamplingBatch:
             )
 
 
+def _suppressed(request: Request) -> list[int]:
+    """Ids the request may not sample now: before `min_tokens`, its stop token ids and
+    (unless it ignores EOS) its EOS ids."""
+    params = request.sampling_params
+    if len(request.output_token_ids) >= params.min_tokens:
+        return []
+    eos = [] if params.ignore_eos else list(request.eos_token_ids)
+    return [*eos, *params.stop_token_ids]
+
+
 @dataclass
 class SamplerOutput:
     """One sampled token per row, and its Logprob where the row asked for logprobs."""
@@ -189,6 +221,30 @@ def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def _with_spare_column(
+    logits: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits` with one more column and `ids` with pads (and ids outside the
+    vocabulary) pointing at it, for scatters that must skip the padding."""
+    vocab_size = logits.shape[-1]
+    spare = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], dim=1)
+    return spare, ids.masked_fill((ids < 0) | (ids >= vocab_size), vocab_size)
+
+
+def apply_token_rules(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Semantics: logits[R, V] -> [R, V]; adds each row's logit_bias (bias_ids[R, K],
+    bias_values[R, K]) at its ids, then sets suppressed_ids[R, L] to -inf. -1 pads
+    change nothing. A new tensor when any applies, `logits` itself otherwise."""
+    vocab_size = logits.shape[-1]
+    if batch.bias_ids is not None:
+        spare, ids = _with_spare_column(logits, batch.bias_ids)
+        logits = spare.scatter_add_(1, ids, batch.bias_values)[:, :vocab_size]
+    if batch.suppressed_ids is not None:
+        spare, ids = _with_spare_column(logits, batch.suppressed_ids)
+        logits = spare.scatter_(1, ids, float("-inf"))[:, :vocab_size]
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -291,6 +347,7 @@ class Sampler:
             logits = logits.index_fill(0, rows, 0.0)
 
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs else None
+        logits = apply_token_rules(logits, batch)
         logits = apply_penalties(logits, batch)
         tokens = logits.argmax(dim=-1)
         if batch.sampled_index is not None:

@@ -52,24 +52,27 @@ def _input_errors() -> tuple[type[Exception], ...]:
     return (TypeError, ValueError, UnicodeError, TemplateError)
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """The token ids of `text`; ValueError when the tokenizer cannot take it."""
     try:
-        return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except _input_errors() as exc:
         raise ValueError(f"the prompt cannot be tokenized: {exc}") from None
 
 
-def apply_chat_template(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """The prompt ids of chat `messages` (role / content dicts) through the tokenizer's
-    chat template, with the assistant's turn opened. ValueError when the tokenizer has
-    no chat template or the template or tokenizer cannot take the messages."""
+def apply_chat_template(
+    tokenizer, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True
+) -> list[int]:
+    """The prompt ids of chat `messages` (role / content dicts, tool calls as chat
+    templates read them) through the tokenizer's chat template, with the assistant's
+    turn opened unless `add_generation_prompt` is False. ValueError when the tokenizer
+    has no chat template or the template or tokenizer cannot take the messages."""
     if not has_chat_template(tokenizer):
         raise ValueError("this model's tokenizer has no chat template")
     try:
         encoded = tokenizer.apply_chat_template(
             [dict(message) for message in messages],
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=True,
         )

@@ -216,3 +216,18 @@ def test_random_stops_cut_at_the_first_occurrence(tokenizer, text, stop, include
         assert detokenizer.finished_by_stop == stop
         assert detokenizer.text == text[: index + len(stop) if include else index]
     assert "".join(deltas) == detokenizer.text
+
+
+def test_stop_strings_are_not_looked_for_before_min_tokens(tokenizer):
+    """`hello` ends within the first tokens: with min_tokens past it, text goes on to the
+    next `hello` after min_tokens, the first one stays in the text."""
+    text = "hello world, hello there; stop here."
+    ids = encode(tokenizer, text)
+    first_end = next(i for i in range(1, len(ids)) if "hello" in tokenizer.decode(ids[:i]))
+    params = SamplingParams(stop=("hello",), min_tokens=first_end + 1, max_tokens=64)
+    detokenizer, deltas = stream(tokenizer, ids, params)
+    assert detokenizer.finished_by_stop == "hello"
+    assert detokenizer.text == "hello world, "
+    assert "".join(deltas) == detokenizer.text
+    early = SamplingParams(stop=("hello",))
+    assert stream(tokenizer, ids, early)[0].text == ""

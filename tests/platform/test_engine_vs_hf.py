@@ -154,3 +154,42 @@ def test_default_model_matches_hf(default_reference, mode):
         assert llm.engine.scheduler.num_preemptions > 0
     for index, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
         assert ours == theirs, f"prompt {index} differs in mode {mode}"
+
+
+def test_logit_bias_and_min_tokens_match_hf(tiny_model_factory):
+    """EOS pushed to the top by a +100 logit bias: HF's `sequence_bias` and
+    `min_new_tokens` and the engine's `logit_bias` and `min_tokens` give the same tokens:
+    `min_tokens` non-EOS tokens, then EOS. A -100 bias on a token the model would pick
+    keeps it out of both."""
+    from transformers import AutoModelForCausalLM
+
+    eos = 7
+    folder = tiny_model_factory("llama", eos_token_id=eos)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = mixed_prompts(model.config.vocab_size, count=4, seed=5)
+    llm = LLM(str(folder), max_model_len=256, dtype="float32")
+    for min_tokens in (0, 3, 7):
+        plain = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        )
+        banned = plain[0].token_ids[0]
+        bias = {eos: 100.0, banned: -100.0}
+        params = SamplingParams(
+            temperature=0.0, max_tokens=MAX_NEW, min_tokens=min_tokens, logit_bias=bias
+        )
+        ours = [o.token_ids for o in llm.generate(prompts, params)]
+        with torch.inference_mode():
+            for prompt, got in zip(prompts, ours, strict=True):
+                ids = torch.tensor([prompt])
+                generated = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=MAX_NEW,
+                    min_new_tokens=min_tokens,
+                    sequence_bias={(t,): b for t, b in bias.items()},
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=eos,
+                )
+                assert got == generated[0, len(prompt) :].tolist()
+                assert len(got) == min_tokens + 1 and got[-1] == eos and banned not in got

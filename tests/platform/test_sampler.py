@@ -14,6 +14,7 @@ from loraplex.platform.sampler import (
     SamplingBatch,
     apply_min_p,
     apply_penalties,
+    apply_token_rules,
     apply_top_k_top_p,
     draw_inverse_cdf,
 )
@@ -313,3 +314,78 @@ def test_non_float32_logits_and_oversized_top_k():
     out = sample(logits, requests)
     assert 0 <= out.token_ids[0] < VOCAB
     assert out.token_ids[1] == logits[1].float().argmax().item()
+
+
+def reference_token_rules(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Plain per-row loops: logit_bias added, then EOS / stop ids at -inf before
+    min_tokens."""
+    out = logits.clone().float()
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        for token, bias in params.logit_bias:
+            out[row, token] += bias
+        if len(request.output_token_ids) < params.min_tokens:
+            banned = [] if params.ignore_eos else list(request.eos_token_ids)
+            for token in [*banned, *params.stop_token_ids]:
+                out[row, token] = float("-inf")
+    return out
+
+
+def test_logit_bias_and_min_tokens_match_the_reference():
+    logits = random_logits(5, seed=7)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={3: 100.0, 5: -100.0}),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=(9, 10)),
+        SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=(9,), ignore_eos=True),
+        SamplingParams(temperature=0.0, min_tokens=2, logit_bias=[(0, 1.5)]),
+    ]
+    requests = [make_request(p, output=[1] * (3 if i == 4 else 0)) for i, p in enumerate(params)]
+    for request in requests:
+        request.eos_token_ids = frozenset({0, 1})
+    batch = SamplingBatch.from_requests(requests, CPU)
+    assert not batch.fast_greedy
+    expected = reference_token_rules(logits, requests)
+    got = apply_token_rules(logits.float(), batch)
+    assert torch.equal(got, expected)
+    out = Sampler()(logits, batch)
+    assert out.token_ids == expected.argmax(dim=-1).tolist()
+    assert out.token_ids[0] == 3
+    assert out.token_ids[2] not in (0, 1, 9, 10) and out.token_ids[3] not in (9,)
+
+
+def test_min_tokens_keeps_eos_away_until_reached():
+    """A model whose top token is EOS generates min_tokens tokens, then stops on EOS."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 0] = 10.0
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    request = make_request(params)
+    request.eos_token_ids = frozenset({0})
+    first = sample(logits, [request]).token_ids[0]
+    request.append_output_token(first, None)
+    second = sample(logits, [request]).token_ids[0]
+    request.append_output_token(second, None)
+    third = sample(logits, [request]).token_ids[0]
+    assert first != 0 and second != 0 and third == 0
+
+
+def test_logit_bias_moves_seeded_draws():
+    logits = torch.zeros(1, VOCAB)
+    params = SamplingParams(temperature=1.0, seed=3, logit_bias={7: 100.0})
+    assert {sample(logits, [make_request(params)]).token_ids[0] for _ in range(5)} == {7}
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"stop_token_ids": (-2,)}, "stop_token_ids"),
+    ],
+)
+def test_bad_token_rules_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from loraplex.deployments.catalog import ADAPTER_NAME
 from loraplex.platform.failpoints import NAMES as FAILPOINT_NAMES
+from loraplex.platform.guided import GuidedSpec
 from loraplex.platform.request import SamplingParams
 
 INT32_MAX = 2**31 - 1
@@ -68,6 +69,79 @@ IGNORED_FIELDS = {
 """Field -> why it changes nothing (the README's list is this one)."""
 
 
+MAX_CHOICES = 256
+MAX_PATTERN_CHARS = 1 << 16
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema (an object or its text),
+    a regex, a list of choices, or an EBNF grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1, max_length=MAX_PATTERN_CHARS)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_CHOICES
+    )
+    grammar: str | None = Field(default=None, min_length=1, max_length=MAX_PATTERN_CHARS)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [v for v in (self.json_, self.regex, self.choice, self.grammar) if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice and grammar")
+        return self
+
+    def spec(self) -> GuidedSpec:
+        if self.json_ is not None:
+            return GuidedSpec("json_schema", _schema_text(self.json_, "structured_outputs.json"))
+        if self.regex is not None:
+            return GuidedSpec("regex", self.regex)
+        if self.choice is not None:
+            return GuidedSpec.choice(self.choice)
+        return GuidedSpec("grammar", self.grammar or "")
+
+
+def _schema_text(schema: dict[str, Any] | str, field: str) -> str:
+    """A JSON schema's canonical text (so equal schemas share one compiled grammar);
+    ValueError naming `field` when it is not a JSON object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError):
+            raise ValueError(f"{field}: the JSON schema is not valid JSON") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{field}: a JSON schema must be a JSON object")
+    return json.dumps(schema, sort_keys=True)
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(default=None, max_length=4096)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = Field(
+        default=None, description="outputs always follow the schema, strict or not"
+    )
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: required with type json_schema, and only then")
+        return self
+
+    def spec(self) -> GuidedSpec | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GuidedSpec("json_object")
+        schema = self.json_schema.schema_ if self.json_schema else None
+        return GuidedSpec("json_schema", _schema_text(schema or {}, "response_format.json_schema"))
+
+
 class SamplingFields(IgnoredFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -95,6 +169,19 @@ class SamplingFields(IgnoredFields):
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """What the output must spell (`structured_outputs` or `response_format`; not
+        both); None unguided. ValueError for a schema that is not a JSON object."""
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise ValueError("give structured_outputs or response_format, not both")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        if self.response_format is not None:
+            return self.response_format.spec()
+        return None
 
     @field_validator("logit_bias")
     @classmethod
@@ -132,6 +219,7 @@ class SamplingFields(IgnoredFields):
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
             logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
+            guided=self.guided_spec(),
         )
 
 

@@ -3,7 +3,8 @@
 `AsyncEngine.build` builds the engine on the loop thread itself, so one thread runs
 all of its compute (platform/compute_threads.py). `generate()` validates in the caller
 (bad input raises ValueError there), waits for its adapter to load (on the adapter
-store's threads, so the step loop keeps serving other requests meanwhile), hands the
+store's threads, so the step loop keeps serving other requests meanwhile) and for its
+grammar to compile (structured output, on a worker thread), hands the
 request to the loop thread and yields cumulative RequestOutputs as they arrive; when
 the consumer lags, only the newest output is kept (each one contains the previous), and
 when many requests stream at once each yields every few steps (`_Coalescing`).
@@ -223,8 +224,11 @@ class AsyncEngine:
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
         lora = await self.load_adapter(adapter)
+        grammar = None
+        if params.guided is not None:
+            grammar = await asyncio.to_thread(self.engine.compile_grammar, params.guided)
         group = self.engine.make_request_group(
-            request_id, prompt, params, priority, lora=lora, cache_salt=cache_salt
+            request_id, prompt, params, priority, lora=lora, cache_salt=cache_salt, grammar=grammar
         )
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:

@@ -26,6 +26,7 @@ from loraplex.platform.compute_threads import default_compute_threads, use_compu
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.cpu_allocator import keep_freed_memory
 from loraplex.platform.failpoints import FAILPOINTS
+from loraplex.platform.guided import GrammarCompiler, GuidedSpec
 from loraplex.platform.kv_cache import allocate_kv_caches, plan_num_blocks
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_files import resolve_model_folder
@@ -65,6 +66,7 @@ class LLMEngine:
             model, kv_caches, cache.block_size, self.device, lora_slots, self.workers
         )
         self.restarts = 0
+        self._grammars: GrammarCompiler | None = None
         self._log_ready(time.monotonic() - started, lora_slots)
 
     def _set_up_compute(self, config: EngineConfig) -> None:
@@ -294,10 +296,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora: LoRAAdapter | None = None,
         cache_salt: str | None = None,
+        grammar: object | None = None,
     ) -> list[Request]:
         """Validates a prompt and builds its n Requests. Raises ValueError on bad input.
         `lora` is an adapter already loaded (see `load_adapter`); `cache_salt` keeps the
-        request's prefix-cache entries apart from other salts' (one per tenant)."""
+        request's prefix-cache entries apart from other salts' (one per tenant);
+        `grammar` is `params.guided` compiled (`compile_grammar`; compiled here when
+        None), each completion gets its own matcher over it."""
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: it must contain at least one token")
@@ -313,8 +318,10 @@ class LLMEngine:
         self.check_fits_model(params, len(token_ids))
         salt = cache_salt.encode() if cache_salt is not None else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.guided is not None and grammar is None:
+            grammar = self.compile_grammar(params.guided)
         n = params.n
-        return [
+        requests = [
             Request(
                 request_id=request_id if n == 1 else f"{request_id}-{index}",
                 prompt_token_ids=token_ids,
@@ -326,9 +333,25 @@ class LLMEngine:
                 group_id=request_id,
                 index=index,
                 cache_salt=salt,
+                grammar=self.grammars.matcher(grammar) if grammar is not None else None,
             )
             for index in range(n)
         ]
+        return requests
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer (made on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self._grammars
+
+    def compile_grammar(self, spec: GuidedSpec) -> object:
+        """`spec` compiled for this model's tokenizer (cached by content); ValueError when
+        it does not compile. Thread-safe: AsyncEngine calls it off the engine loop."""
+        return self.grammars.compile(spec)
 
     def check_fits_model(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """ValueError unless the model can represent `params` and the KV cache can hold

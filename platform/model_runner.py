@@ -220,12 +220,19 @@ class ModelRunner:
 
     @staticmethod
     def _collect(result: StepResult, requests: list[Request], sampled: SamplerOutput, rows) -> None:
+        """Books each request's sampled token; a guided request's grammar takes it."""
         invalid = set(sampled.invalid_rows)
+        blocked = set(sampled.blocked_rows)
         for request, row in zip(requests, rows, strict=True):
-            if row in invalid:
+            token = sampled.token_ids[row]
+            if row in blocked:
+                result.failed[request.request_id] = _no_token_fits(request)
+            elif row in invalid:
                 result.failed[request.request_id] = _non_finite(request)
+            elif request.grammar is not None and not _grammar_takes(request.grammar, token):
+                result.failed[request.request_id] = _no_token_fits(request)
             else:
-                result.sampled[request.request_id] = (sampled.token_ids[row], sampled.logprobs[row])
+                result.sampled[request.request_id] = (token, sampled.logprobs[row])
 
     def _slots(self, output: SchedulerOutput) -> dict[bytes, int]:
         """Adapter key -> device slot for this step's adapters (loaded as needed)."""
@@ -307,6 +314,24 @@ class ModelRunner:
             slot_writes=tuple(slot_writes),
         )
         return PreparedStep(inputs, sample_requests)
+
+
+def _grammar_takes(grammar, token: int) -> bool:
+    try:
+        return bool(grammar.accept_token(token))
+    except Exception:
+        logger.exception("the grammar matcher failed on token %d", token)
+        return False
+
+
+def _no_token_fits(request: Request) -> RequestFailure:
+    """No token of this model's vocabulary continues the requested structure (the
+    request's own doing: a regex or schema this tokenizer cannot spell)."""
+    logger.warning("request %s: no token can continue its grammar", request.request_id)
+    return RequestFailure(
+        "no token of this model's vocabulary can continue the requested structured output",
+        client_fault=True,
+    )
 
 
 def _non_finite(request: Request) -> RequestFailure:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplex.platform.guided import GuidedSpec
+
 if TYPE_CHECKING:
     from loraplex.adapters.peft_format import LoRAAdapter
 
@@ -32,7 +34,8 @@ class SamplingParams:
     `logit_bias` adds a bias in [-100, 100] to the raw logits of token ids (a mapping or
     (id, bias) pairs; kept as pairs sorted by id). `min_tokens`: until this many tokens
     were generated, EOS and `stop_token_ids` cannot be sampled and stop strings are not
-    looked for (vLLM's rule).
+    looked for (vLLM's rule). `guided`: the output must spell what the spec describes
+    (platform/guided.py); the completion ends once it is complete.
     """
 
     n: int = 1
@@ -53,6 +56,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -195,6 +199,9 @@ class Request:
     stop_reason: int | str | None = None
     cache_salt: bytes | None = None
     failure: RequestFailure | None = None
+    grammar: object | None = None
+    """The parse state of a guided request (an xgrammar GrammarMatcher), its own per
+    completion; None unguided."""
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -3,6 +3,7 @@
 One step's R sampling rows arrive as `logits[R, V]` with one `Request` per row (a
 forked n > 1 child gets its own row, holding a copy of its parent's logits). Per row:
 
+    guided rows: tokens their grammar does not allow next -> -inf (platform/guided.py)
     logits += logit_bias           (per token id)
     logits[EOS, stop_token_ids] = -inf   while fewer than min_tokens were generated
     logits  = repetition penalty   (HF: over prompt + output ids; >0 divide, else multiply)
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.platform.guided import mask_disallowed_tokens
 from loraplex.platform.request import Logprob, Request
 
 MIN_TEMPERATURE = 1e-5
@@ -99,19 +101,22 @@ class SamplingBatch:
     suppressed_ids: torch.Tensor | None = None
     """[R, L] int64, -1 padded: ids a row may not sample yet (EOS and stop_token_ids
     before min_tokens)."""
+    guided_rows: list[tuple[int, object]] = field(default_factory=list)
+    """(row, grammar matcher) of each guided row."""
 
     @classmethod
     def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
         params = [request.sampling_params for request in requests]
         wants_logprobs = any(p.logprobs is not None for p in params)
         suppressed = [_suppressed(request) for request in requests]
+        guided = [(row, r.grammar) for row, r in enumerate(requests) if r.grammar is not None]
         plain = all(
             p.greedy and not p.uses_penalties and not p.logit_bias for p in params
-        ) and not any(suppressed)
+        ) and not (any(suppressed) or guided)
         if not wants_logprobs and plain:
             return cls(num_rows=len(requests), fast_greedy=True)
 
-        batch = cls(num_rows=len(requests), fast_greedy=False)
+        batch = cls(num_rows=len(requests), fast_greedy=False, guided_rows=guided)
         if wants_logprobs:
             batch.num_logprobs = [p.logprobs for p in params]
         if any(p.logit_bias for p in params):
@@ -197,12 +202,33 @@ class SamplerOutput:
     invalid_rows: list[int] = field(default_factory=list)
     """Rows whose logits were not finite: INVALID_TOKEN and no logprob for them."""
 
+    blocked_rows: list[int] = field(default_factory=list)
+    """Guided rows whose grammar allowed no token of the vocabulary: INVALID_TOKEN."""
+
     def mark_invalid(self, rows: list[int]) -> SamplerOutput:
         for row in rows:
             self.token_ids[row] = INVALID_TOKEN
             self.logprobs[row] = None
         self.invalid_rows = rows
         return self
+
+    def mark_blocked(self, rows: list[int]) -> None:
+        for row in rows:
+            self.token_ids[row] = INVALID_TOKEN
+            self.logprobs[row] = None
+        self.blocked_rows = rows
+
+
+def _rows_without_a_token(logits: torch.Tensor, guided_rows: list[tuple[int, object]]) -> list[int]:
+    """Guided rows whose mask left no token (every logit -inf); their logits become 0
+    in place, so drawing from them stays well-formed (their token is discarded)."""
+    rows = [row for row, _ in guided_rows]
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    empty = torch.isneginf(logits.index_select(0, index).amax(dim=-1)).tolist()
+    blocked = [row for row, is_empty in zip(rows, empty, strict=True) if is_empty]
+    if blocked:
+        logits.index_fill_(0, torch.tensor(blocked, dtype=torch.int64, device=logits.device), 0.0)
+    return blocked
 
 
 def non_finite_rows(row_max: torch.Tensor) -> list[int]:
@@ -347,6 +373,11 @@ class Sampler:
             logits = logits.index_fill(0, rows, 0.0)
 
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs else None
+        blocked: list[int] = []
+        if batch.guided_rows:
+            logits = logits.clone()
+            mask_disallowed_tokens(logits, batch.guided_rows)
+            blocked = _rows_without_a_token(logits, batch.guided_rows)
         logits = apply_token_rules(logits, batch)
         logits = apply_penalties(logits, batch)
         tokens = logits.argmax(dim=-1)
@@ -356,7 +387,9 @@ class Sampler:
             tokens = self._draw(logits, batch)
         token_ids = tokens.tolist()
         logprobs = self._logprobs(raw_logprobs, tokens, token_ids, batch)
-        return SamplerOutput(token_ids, logprobs).mark_invalid(invalid)
+        output = SamplerOutput(token_ids, logprobs).mark_invalid(invalid)
+        output.mark_blocked(blocked)
+        return output
 
     @staticmethod
     def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -6,6 +6,8 @@ in the new text; it then ends the request through the scheduler (which frees its
 blocks at once). In order, the first that holds wins:
 
     stop string      the detokenized text contains one of `stop`   stop, the string
+    grammar ended    a guided request's grammar is complete and    stop, None
+                     the model ended it (or it can only end)
     end of sequence  the token is an EOS id and not `ignore_eos`   stop, None
     stop token       the token is in `stop_token_ids`              stop, the token id
     max_tokens       the request generated `max_tokens` tokens     length, None
@@ -36,6 +38,8 @@ def check_stop(request: Request, max_model_len: int, stop_string: str | None = N
         return Stop(RequestStatus.FINISHED_STOPPED, stop_string)
     params = request.sampling_params
     last = request.output_token_ids[-1]
+    if request.grammar is not None and request.grammar.is_terminated():
+        return Stop(RequestStatus.FINISHED_STOPPED)
     if not params.ignore_eos and last in request.eos_token_ids:
         return Stop(RequestStatus.FINISHED_STOPPED)
     if last in params.stop_token_ids:

@@ -40,8 +40,42 @@ def save_tiny_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path:
-    """Saves a seeded random HF model of `kind` ('llama', 'llama3', 'qwen2', 'mistral')."""
+BYTE_EOS = "<|endoftext|>"
+BYTE_CORPUS = [
+    '{"name": "Ada", "age": 36, "tags": ["math", "code"], "ok": true, "score": -1.5e3}',
+    '[1, 2, 3, null, false, {"a": {"b": [0.25, "x y z"]}}]',
+    "yes no maybe 0123456789 abc-def_ghi ABC XYZ",
+    "The quick brown fox jumps over the lazy dog. Le café, déjà vu: 中文 🙂",
+] * 4
+
+
+def save_byte_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> None:
+    """A byte-level BPE tokenizer trained in-process (so it can spell any text, JSON
+    included) with `<|endoftext|>` as id 0 and EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BYTE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(BYTE_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=BYTE_EOS)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(folder)
+
+
+def make_tiny_model(
+    folder: Path, kind: str, seed: int = 0, tokenizer: str = "words", **overrides
+) -> Path:
+    """Saves a seeded random HF model of `kind` ('llama', 'llama3', 'qwen2', 'mistral')
+    with a word-level tokenizer ('words': no EOS) or a byte-level one ('bytes': EOS is
+    id 0, set as the model's EOS too)."""
     from transformers import (
         AutoModelForCausalLM,
         LlamaConfig,
@@ -62,6 +96,8 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path
         pad_token_id=None,
         tie_word_embeddings=False,
     )
+    if tokenizer == "bytes":
+        common["eos_token_id"] = 0
     common.update(overrides)
     if kind == "llama":
         config = LlamaConfig(**common)
@@ -94,7 +130,10 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.1)
     model.save_pretrained(folder)
-    save_tiny_tokenizer(folder, config.vocab_size)
+    if tokenizer == "bytes":
+        save_byte_tokenizer(folder, config.vocab_size)
+    else:
+        save_tiny_tokenizer(folder, config.vocab_size)
     return folder
 
 
@@ -102,11 +141,11 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path
 def tiny_model_factory(tmp_path_factory):
     cache: dict[tuple, Path] = {}
 
-    def factory(kind: str = "llama", **overrides) -> Path:
-        key = (kind, tuple(sorted(overrides.items())))
+    def factory(kind: str = "llama", tokenizer: str = "words", **overrides) -> Path:
+        key = (kind, tokenizer, tuple(sorted(overrides.items())))
         if key not in cache:
             folder = tmp_path_factory.mktemp(f"tiny-{kind}")
-            cache[key] = make_tiny_model(folder, kind, **overrides)
+            cache[key] = make_tiny_model(folder, kind, tokenizer=tokenizer, **overrides)
         return cache[key]
 
     return factory

@@ -1,9 +1,10 @@
 """One real Ray Serve app for the whole test session (starting one costs ~15 s).
 
-The app serves three tiny base models: `tiny` (Llama, with three shared adapters),
+The app serves four tiny base models: `tiny` (Llama, with three shared adapters),
 `tiny-tight` (the same weights and one adapter, with a KV cache of 24 blocks: running
-requests get preempted) and `tiny-qwen` (one replica that takes one request at a time
-and queues one, so it overloads on purpose). Three tenants: `acme` (everything), `globex` (key from an
+requests get preempted), `tiny-bytes` (Llama with a byte-level tokenizer that can spell
+JSON, and its adapter `sj`: structured output) and `tiny-qwen` (one replica that takes
+one request at a time and queues one, so it overloads on purpose). Three tenants: `acme` (everything), `globex` (key from an
 environment variable; `tiny` and its shared adapter `sa` only) and `limited`
 (one request at a time, 100 tokens a minute). Tenant adapters live under a temporary
 adapter root. An operator key unlocks /metrics, and `tiny` allows fault injection
@@ -12,8 +13,11 @@ adapter root. An operator key unlocks /metrics, and `tiny` allows fault injectio
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +72,10 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
         name: peft_adapter_factory(base, shared_root / name, **options)
         for name, options in SHARED.items()
     }
+    byte_base = tiny_model_factory("llama", tokenizer="bytes")
+    byte_adapter = peft_adapter_factory(
+        byte_base, shared_root / "sj", rank=4, target_modules=("q_proj", "v_proj"), seed=14
+    )
     adapter_root = tmp_path_factory.mktemp("tenant-adapters")
     os.environ[GLOBEX_KEY_ENV] = KEYS["globex"]
     engine = {
@@ -94,6 +102,13 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
                 "model": str(base),
                 "engine": {**engine, "num_blocks_override": 24},
                 "adapters": {"sa": str(shared["sa"])},
+                "server": {"num_cpus": 0.1},
+            },
+            {
+                "name": "tiny-bytes",
+                "model": str(byte_base),
+                "engine": {**engine, "kv_cache_memory_bytes": 1 << 26},
+                "adapters": {"sj": str(byte_adapter)},
                 "server": {"num_cpus": 0.1},
             },
             {
@@ -181,3 +196,24 @@ def tenant_keys() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def operator_key() -> str:
     return OPERATOR_KEY
+
+
+def post_json(serve_url: str, path: str, body: dict, key: str = KEYS["acme"]) -> tuple[int, dict]:
+    """POSTs `body` as JSON with a bearer key; (status, parsed JSON answer)."""
+    request = urllib.request.Request(
+        f"{serve_url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.fixture(scope="session")
+def post(serve_url):
+    """(path, body, key=acme's) -> (status, JSON answer) against the session's app."""
+    return lambda path, body, key=KEYS["acme"]: post_json(serve_url, path, body, key)

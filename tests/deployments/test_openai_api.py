@@ -27,7 +27,7 @@ def post_raw(url: str, body: bytes, key: str | None = "sk-acme-test") -> tuple[i
 
 def test_models_lists_the_base_models(client):
     ids = [m.id for m in client.models.list().data]
-    assert ids[:3] == ["tiny", "tiny-tight", "tiny-qwen"]
+    assert ids[:4] == ["tiny", "tiny-tight", "tiny-bytes", "tiny-qwen"]
 
 
 def test_completion_matches_offline_greedy(client, tiny_model_factory):

@@ -5,9 +5,6 @@ stop_token_ids, min_tokens, the fields accepted and ignored, /v1/tokenize and
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
 
 from loraplex.deployments.protocol import IGNORED_FIELDS
@@ -16,20 +13,6 @@ MODEL = "tiny:sa"
 """A base:adapter model, so every feature is shown with an adapter in the batch."""
 VOCAB = 512
 """The tiny test models' vocabulary."""
-
-
-def post(serve_url: str, path: str, body: dict, key: str = "sk-acme-test") -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"{serve_url}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def greedy_chat(client, messages, **kwargs) -> str:
@@ -100,7 +83,7 @@ def test_a_streamed_batch_reassembles_per_index(client):
     assert usage.completion_tokens == full.usage.completion_tokens == 14
 
 
-def test_echo_leads_each_completion_with_the_prompt(client, serve_url):
+def test_echo_leads_each_completion_with_the_prompt(client, post):
     plain = client.completions.create(model=MODEL, prompt="w1 w2", max_tokens=4, temperature=0)
     echoed = client.completions.create(
         model=MODEL, prompt="w1 w2", max_tokens=4, temperature=0, echo=True
@@ -110,11 +93,11 @@ def test_echo_leads_each_completion_with_the_prompt(client, serve_url):
         model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0, echo=True, stream=True
     )
     text = "".join(c.choices[0].text for c in ids if c.choices)
-    _, decoded = post(serve_url, "/v1/detokenize", {"model": MODEL, "tokens": [5, 6, 7]})
+    _, decoded = post("/v1/detokenize", {"model": MODEL, "tokens": [5, 6, 7]})
     assert text.startswith(decoded["prompt"]) and len(text) > len(decoded["prompt"])
 
 
-def test_logit_bias_forces_a_token(client, serve_url):
+def test_logit_bias_forces_a_token(client, post):
     response = client.completions.create(
         model=MODEL,
         prompt="w1",
@@ -123,17 +106,16 @@ def test_logit_bias_forces_a_token(client, serve_url):
         logit_bias={"42": 100},
         extra_body={"ignore_eos": True},
     )
-    _, expected = post(serve_url, "/v1/detokenize", {"model": MODEL, "tokens": [42] * 5})
+    _, expected = post("/v1/detokenize", {"model": MODEL, "tokens": [42] * 5})
     assert response.choices[0].text.strip() == expected["prompt"]
 
 
-def test_stop_token_ids_and_min_tokens(client, serve_url):
+def test_stop_token_ids_and_min_tokens(client, post):
     prompt = [11, 12, 13]
     plain = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )
     _, tokens = post(
-        serve_url,
         "/v1/tokenize",
         {"model": MODEL, "prompt": plain.choices[0].text, "add_special_tokens": False},
     )
@@ -199,9 +181,9 @@ def test_the_ignored_fields_are_accepted(client):
         ({"no_such_field": 1}, "no_such_field"),
     ],
 )
-def test_bad_chat_values_are_400_naming_the_field(serve_url, body, param):
+def test_bad_chat_values_are_400_naming_the_field(post, body, param):
     request = {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
-    status, payload = post(serve_url, "/v1/chat/completions", {**request, **body})
+    status, payload = post("/v1/chat/completions", {**request, **body})
     assert status == 400, payload
     assert param in payload["error"]["message"], payload
 
@@ -219,25 +201,25 @@ def test_bad_chat_values_are_400_naming_the_field(serve_url, body, param):
         ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
     ],
 )
-def test_bad_completion_values_are_400_naming_the_field(serve_url, body, param):
+def test_bad_completion_values_are_400_naming_the_field(post, body, param):
     status, payload = post(
-        serve_url, "/v1/completions", {"model": MODEL, "prompt": "w1", "max_tokens": 2, **body}
+        "/v1/completions", {"model": MODEL, "prompt": "w1", "max_tokens": 2, **body}
     )
     assert status == 400, payload
     assert param in payload["error"]["message"], payload
 
 
-def test_tokenize_matches_what_generation_counts(client, serve_url):
+def test_tokenize_matches_what_generation_counts(client, post):
     messages = [{"role": "user", "content": "w1 w2 w3"}]
-    status, counted = post(serve_url, "/v1/tokenize", {"model": MODEL, "messages": messages})
+    status, counted = post("/v1/tokenize", {"model": MODEL, "messages": messages})
     assert status == 200, counted
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens
     assert counted["max_model_len"] == 128
-    status, plain = post(serve_url, "/tokenize", {"model": "tiny", "prompt": "w1 w2"})
+    status, plain = post("/tokenize", {"model": "tiny", "prompt": "w1 w2"})
     completion = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=1)
     assert plain["count"] == completion.usage.prompt_tokens
-    status, text = post(serve_url, "/detokenize", {"model": "tiny", "tokens": plain["tokens"]})
+    status, text = post("/detokenize", {"model": "tiny", "tokens": plain["tokens"]})
     assert status == 200 and "w1 w2" in text["prompt"]
 
 
@@ -256,17 +238,17 @@ def test_tokenize_matches_what_generation_counts(client, serve_url):
         ("/v1/detokenize", {"model": MODEL, "tokens": "w1"}, 400),
     ],
 )
-def test_bad_tokenizer_calls(serve_url, path, body, status):
-    got, payload = post(serve_url, path, body)
+def test_bad_tokenizer_calls(post, path, body, status):
+    got, payload = post(path, body)
     assert got == status, payload
     assert "error" in payload
 
 
-def test_tokenize_needs_a_key_and_the_model_acl(serve_url, tenant_keys):
-    status, _ = post(serve_url, "/v1/tokenize", {"model": "tiny", "prompt": "w1"}, key="bad")
+def test_tokenize_needs_a_key_and_the_model_acl(post, tenant_keys):
+    status, _ = post("/v1/tokenize", {"model": "tiny", "prompt": "w1"}, key="bad")
     assert status == 401
     status, _ = post(
-        serve_url, "/v1/tokenize", {"model": "tiny-qwen", "prompt": "w1"}, key=tenant_keys["globex"]
+        "/v1/tokenize", {"model": "tiny-qwen", "prompt": "w1"}, key=tenant_keys["globex"]
     )
     assert status == 403
 

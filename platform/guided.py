@@ -1,0 +1,125 @@
+"""Structured output: what a guided request's tokens must spell (a JSON schema, any JSON
+object, a regex, one of several strings, an EBNF grammar), compiled with xgrammar.
+
+`GuidedSpec` is what a request asks for; it is plain data, part of `SamplingParams`.
+`GrammarCompiler` turns a spec into xgrammar's compiled grammar for one tokenizer
+(compiling can take tens of milliseconds: AsyncEngine runs it on a worker thread, off
+the engine loop) and keeps the most recent ones by the spec's content, so a schema
+that many requests share is compiled once. Each of a request's completions gets its
+own `GrammarMatcher` (the parse state): the sampler masks the tokens it does not allow,
+the runner feeds it the sampled token, and `check_stop` ends the completion once the
+grammar is complete and the model chose to end it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+ANY_OBJECT = '{"type": "object"}'
+"""json_object means a JSON object (OpenAI's rule), not any JSON value."""
+SOURCE_LOCATION = re.compile(r"\[[0-9:]+\] \S+:\d+: ")
+"""xgrammar's '[hh:mm:ss] file.cc:123: ' prefix on its error messages."""
+CACHE_SIZE = 256
+"""Compiled grammars kept per engine (least recently used dropped first)."""
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """`value`: the JSON schema's text (json_schema), the regex, the EBNF grammar, or
+    the choices as a JSON list of strings; empty for json_object."""
+
+    kind: GuidedKind
+    value: str = ""
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.kind}\0{self.value}".encode()).hexdigest()
+
+    @classmethod
+    def choice(cls, options: list[str]) -> GuidedSpec:
+        return cls("choice", json.dumps(list(options)))
+
+
+def _choice_grammar(value: str) -> str:
+    options = json.loads(value)
+    if not options:
+        raise ValueError("choice needs at least one option")
+    return "root ::= " + " | ".join(json.dumps(option) for option in options)
+
+
+class GrammarCompiler:
+    """Compiles GuidedSpecs for one tokenizer; thread-safe; ValueError for a spec that
+    does not compile (a bad schema, regex or grammar: the caller's fault)."""
+
+    def __init__(self, tokenizer: object, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar
+
+        self._xgrammar = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+        )
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.vocab_size = vocab_size
+        self.has_stop_tokens = bool(stop_token_ids)
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GuidedSpec) -> object:
+        with self._lock:
+            compiled = self._cache.get(spec.key)
+            if compiled is not None:
+                self._cache.move_to_end(spec.key)
+                return compiled
+        compiled = self._compile(spec)
+        with self._lock:
+            self._cache[spec.key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GuidedSpec) -> object:
+        compiler = self._compiler
+        try:
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(spec.value, any_whitespace=False)
+            if spec.kind == "json_object":
+                return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.value)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(_choice_grammar(spec.value))
+            return compiler.compile_grammar(spec.value)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            reason = SOURCE_LOCATION.sub("", str(exc)).strip()
+            raise ValueError(f"the {spec.kind} does not compile: {reason}") from None
+
+    def matcher(self, compiled: object) -> object:
+        """A fresh parse state for one completion. Without stop tokens (a model with
+        no EOS) the matcher ends as soon as the grammar is complete."""
+        return self._xgrammar.GrammarMatcher(
+            compiled, terminate_without_stop_token=not self.has_stop_tokens
+        )
+
+
+def mask_disallowed_tokens(logits, guided_rows: list[tuple[int, object]]) -> None:
+    """Semantics: logits[R, V] (float32, bfloat16 or float16), in place: for each
+    (row, matcher) of `guided_rows`, the tokens the matcher does not allow next become
+    -inf in that row; other rows are untouched."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    rows = []
+    for row, matcher in guided_rows:
+        matcher.fill_next_token_bitmask(bitmask, row)
+        rows.append(row)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)

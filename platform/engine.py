@@ -333,7 +333,9 @@ class LLMEngine:
                 group_id=request_id,
                 index=index,
                 cache_salt=salt,
-                grammar=self.grammars.matcher(grammar) if grammar is not None else None,
+                grammar=self.grammars.state(grammar, params.guided)
+                if grammar is not None
+                else None,
             )
             for index in range(n)
         ]

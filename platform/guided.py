@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -69,6 +71,10 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
         )
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._control_tokens = torch.tensor(
+            [i for i, text in enumerate(info.decoded_vocab) if any(b < 0x20 for b in text)],
+            dtype=torch.int64,
+        )
         self.vocab_size = vocab_size
         self.has_stop_tokens = bool(stop_token_ids)
         self._cache: OrderedDict[str, object] = OrderedDict()
@@ -103,23 +109,48 @@ class GrammarCompiler:
             reason = SOURCE_LOCATION.sub("", str(exc)).strip()
             raise ValueError(f"the {spec.kind} does not compile: {reason}") from None
 
-    def matcher(self, compiled: object) -> object:
+    def state(self, compiled: object, spec: GuidedSpec) -> GuidedState:
         """A fresh parse state for one completion. Without stop tokens (a model with
         no EOS) the matcher ends as soon as the grammar is complete."""
-        return self._xgrammar.GrammarMatcher(
+        matcher = self._xgrammar.GrammarMatcher(
             compiled, terminate_without_stop_token=not self.has_stop_tokens
         )
+        json_kind = spec.kind in ("json_schema", "json_object")
+        return GuidedState(matcher, self._control_tokens if json_kind else None)
 
 
-def mask_disallowed_tokens(logits, guided_rows: list[tuple[int, object]]) -> None:
+@dataclass
+class GuidedState:
+    """One completion's parse state. `banned`: token ids never allowed on top of what
+    the grammar allows. For JSON these are the tokens holding a control character
+    (U+0000-U+001F): xgrammar's JSON strings admit them raw, which JSON forbids (a
+    strict parser such as Python's json.loads refuses the output); outside strings the
+    compact JSON grammar needs no whitespace but the space."""
+
+    matcher: object
+    banned: torch.Tensor | None = None
+
+    def accept_token(self, token: int) -> bool:
+        return bool(self.matcher.accept_token(token))
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+def mask_disallowed_tokens(
+    logits: torch.Tensor, guided_rows: list[tuple[int, GuidedState]]
+) -> None:
     """Semantics: logits[R, V] (float32, bfloat16 or float16), in place: for each
-    (row, matcher) of `guided_rows`, the tokens the matcher does not allow next become
-    -inf in that row; other rows are untouched."""
+    (row, state) of `guided_rows`, the tokens its matcher does not allow next, and its
+    banned ones, become -inf in that row; other rows are untouched."""
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
     rows = []
-    for row, matcher in guided_rows:
-        matcher.fill_next_token_bitmask(bitmask, row)
+    for row, state in guided_rows:
+        state.matcher.fill_next_token_bitmask(bitmask, row)
         rows.append(row)
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+    for row, state in guided_rows:
+        if state.banned is not None and state.banned.numel():
+            logits[row].index_fill_(0, state.banned.to(logits.device), float("-inf"))

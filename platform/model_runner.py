@@ -43,6 +43,7 @@ from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.failpoints import FAILPOINTS
+from loraplex.platform.guided import GuidedState
 from loraplex.platform.kv_cache import copy_blocks
 from loraplex.platform.request import Logprob, Request, RequestFailure
 from loraplex.platform.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -316,9 +317,9 @@ class ModelRunner:
         return PreparedStep(inputs, sample_requests)
 
 
-def _grammar_takes(grammar, token: int) -> bool:
+def _grammar_takes(grammar: GuidedState, token: int) -> bool:
     try:
-        return bool(grammar.accept_token(token))
+        return grammar.accept_token(token)
     except Exception:
         logger.exception("the grammar matcher failed on token %d", token)
         return False

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.platform.guided import GuidedSpec
+from loraplex.platform.guided import GuidedSpec, GuidedState
 
 if TYPE_CHECKING:
     from loraplex.adapters.peft_format import LoRAAdapter
@@ -199,9 +199,8 @@ class Request:
     stop_reason: int | str | None = None
     cache_salt: bytes | None = None
     failure: RequestFailure | None = None
-    grammar: object | None = None
-    """The parse state of a guided request (an xgrammar GrammarMatcher), its own per
-    completion; None unguided."""
+    grammar: GuidedState | None = None
+    """The parse state of a guided request, its own per completion; None unguided."""
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.platform.guided import mask_disallowed_tokens
+from loraplex.platform.guided import GuidedState, mask_disallowed_tokens
 from loraplex.platform.request import Logprob, Request
 
 MIN_TEMPERATURE = 1e-5
@@ -101,8 +101,8 @@ class SamplingBatch:
     suppressed_ids: torch.Tensor | None = None
     """[R, L] int64, -1 padded: ids a row may not sample yet (EOS and stop_token_ids
     before min_tokens)."""
-    guided_rows: list[tuple[int, object]] = field(default_factory=list)
-    """(row, grammar matcher) of each guided row."""
+    guided_rows: list[tuple[int, GuidedState]] = field(default_factory=list)
+    """(row, parse state) of each guided row."""
 
     @classmethod
     def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
@@ -219,7 +219,9 @@ class SamplerOutput:
         self.blocked_rows = rows
 
 
-def _rows_without_a_token(logits: torch.Tensor, guided_rows: list[tuple[int, object]]) -> list[int]:
+def _rows_without_a_token(
+    logits: torch.Tensor, guided_rows: list[tuple[int, GuidedState]]
+) -> list[int]:
     """Guided rows whose mask left no token (every logit -inf); their logits become 0
     in place, so drawing from them stays well-formed (their token is discarded)."""
     rows = [row for row, _ in guided_rows]

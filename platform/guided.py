@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -71,10 +72,8 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
         )
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._control_tokens = torch.tensor(
-            [i for i, text in enumerate(info.decoded_vocab) if any(b < 0x20 for b in text)],
-            dtype=torch.int64,
-        )
+        control = [i for i, text in enumerate(info.decoded_vocab) if any(b < 0x20 for b in text)]
+        self._json_bits = _bits_without(control, vocab_size)
         self.vocab_size = vocab_size
         self.has_stop_tokens = bool(stop_token_ids)
         self._cache: OrderedDict[str, object] = OrderedDict()
@@ -116,19 +115,21 @@ class GrammarCompiler:
             compiled, terminate_without_stop_token=not self.has_stop_tokens
         )
         json_kind = spec.kind in ("json_schema", "json_object")
-        return GuidedState(matcher, self._control_tokens if json_kind else None)
+        return GuidedState(matcher, self._json_bits if json_kind else None)
 
 
 @dataclass
 class GuidedState:
-    """One completion's parse state. `banned`: token ids never allowed on top of what
-    the grammar allows. For JSON these are the tokens holding a control character
+    """One completion's parse state, and the tokens never allowed on top of what the
+    grammar allows. For JSON these are the tokens holding a control character
     (U+0000-U+001F): xgrammar's JSON strings admit them raw, which JSON forbids (a
     strict parser such as Python's json.loads refuses the output); outside strings the
     compact JSON grammar needs no whitespace but the space."""
 
     matcher: object
-    banned: torch.Tensor | None = None
+    allowed_bits: torch.Tensor | None = None
+    """int32 [ceil(V / 32)], packed like xgrammar's bitmask: a clear bit bans its token
+    whatever the grammar allows (None: nothing banned)."""
 
     def accept_token(self, token: int) -> bool:
         return bool(self.matcher.accept_token(token))
@@ -137,20 +138,30 @@ class GuidedState:
         return bool(self.matcher.is_terminated())
 
 
+def _bits_without(banned: list[int], vocab_size: int) -> torch.Tensor:
+    """int32 [ceil(V / 32)] with every bit set but those of `banned` (bit t % 32 of word
+    t // 32, as xgrammar packs its masks)."""
+    words = np.full((vocab_size + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
+    for token in banned:
+        words[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
+    return torch.from_numpy(words.view(np.int32).copy())
+
+
 def mask_disallowed_tokens(
     logits: torch.Tensor, guided_rows: list[tuple[int, GuidedState]]
 ) -> None:
     """Semantics: logits[R, V] (float32, bfloat16 or float16), in place: for each
-    (row, state) of `guided_rows`, the tokens its matcher does not allow next, and its
-    banned ones, become -inf in that row; other rows are untouched."""
+    (row, state) of `guided_rows`, the tokens its matcher does not allow next, and those
+    its `allowed_bits` clear, become -inf in that row; other rows are untouched."""
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
     rows = []
     for row, state in guided_rows:
         state.matcher.fill_next_token_bitmask(bitmask, row)
+        if state.allowed_bits is not None:
+            bitmask[row] &= state.allowed_bits
         rows.append(row)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
-    for row, state in guided_rows:
-        if state.banned is not None and state.banned.numel():
-            logits[row].index_fill_(0, state.banned.to(logits.device), float("-inf"))
+    xgrammar.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device), vocab_size=logits.shape[-1], indices=rows
+    )

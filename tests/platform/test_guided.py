@@ -174,3 +174,13 @@ def test_a_grammar_the_vocabulary_cannot_spell_fails_that_request_alone(tiny_mod
         assert finished["guided"].error is not None and finished["guided"].error.client_fault
         assert "vocabulary" in finished["guided"].error.message
         assert finished["plain"].error is None and len(finished["plain"].outputs[0].token_ids) == 4
+
+
+def test_banned_bits_clear_exactly_the_banned_tokens():
+    """xgrammar's packing (bit t % 32 of word t // 32), high bits included."""
+    from loraplex.platform.guided import _bits_without
+
+    banned = [0, 5, 31, 32, 63, 511]
+    words = _bits_without(banned, 512)
+    allowed = [(int(words[t // 32]) >> (t % 32)) & 1 for t in range(512)]
+    assert [t for t in range(512) if not allowed[t]] == banned

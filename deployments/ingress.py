@@ -79,6 +79,7 @@ from loraplex.deployments.tenants import (
     Tenants,
     bearer_digest,
 )
+from loraplex.deployments.tool_calls import ToolCalling
 
 logger = logging.getLogger(__name__)
 
@@ -501,14 +502,16 @@ class OpenAIIngress:
         body = await parse_body(request, ChatCompletionRequest)
         top = body.top_logprobs if body.top_logprobs is not None else 0
         response_id = new_id("chatcmpl")
+        tools = body.tool_calling()
         call = GenerateCall(
             request_id=response_id,
             params=self._params(body, body.requested_max_tokens, top if body.logprobs else None),
             messages=[m.for_template() for m in body.messages],
             max_tokens_given=body.requested_max_tokens is not None,
             received_at=received_at,
+            tools=list(tools.tools) if tools is not None else None,
         )
-        return await self._respond(tenant, body, response_id, [call], chat=True)
+        return await self._respond(tenant, body, response_id, [call], chat=True, tools=tools)
 
     @staticmethod
     def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None):
@@ -524,10 +527,11 @@ class OpenAIIngress:
         response_id: str,
         calls: list[GenerateCall],
         chat: bool,
+        tools: ToolCalling | None = None,
     ) -> Response:
         """Runs `calls` (one per prompt of the request) on the model `body.model` names;
         answers with their choices in one body or one stream, prompt i's completions at
-        indices i*n .. i*n+n-1."""
+        indices i*n .. i*n+n-1 (a chat's tool calls read back as `tools` asks)."""
         route = resolve_model(tenant, body.model, self.bases, self.catalog)
         calls = [
             dataclasses.replace(
@@ -548,7 +552,7 @@ class OpenAIIngress:
             raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
         self._record_usage(tenant)
         accumulators = [
-            ChoiceAccumulator(response_id, body.model, chat, n, first_index=i * n)
+            ChoiceAccumulator(response_id, body.model, chat, n, first_index=i * n, tools=tools)
             for i in range(len(calls))
         ]
         try:

@@ -81,6 +81,9 @@ class GenerateCall:
     the replica counts toward its admission wait (None: not known)."""
     echo: bool = False
     """The first step carries the prompt's text (`StreamStep.echo_text`)."""
+    tools: list[dict[str, Any]] | None = None
+    """Function definitions the chat template gets (chat requests with `tools`); the
+    first step then says how the model writes tool calls (`tool_call_format`)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class StreamStep:
     """Prompt tokens served from the prefix cache (the caller's own namespace)."""
     echo_text: str | None = None
     """The prompt's text, on the first step of a call that asked for `echo`."""
+    tool_call_format: str | None = None
+    """On the first step of a call with tools: the tool-call format of the model's chat
+    template ('hermes'), None when it has none."""
 
 
 @dataclass(frozen=True)
@@ -278,7 +284,7 @@ class ModelServer:
         prompt_tokens = 0
         try:
             lora = await self._adapter_for_call()
-            prompt = self.engine.prompt_ids(call.prompt, call.messages)
+            prompt = self.engine.prompt_ids(call.prompt, call.messages, call.tools)
             params = self._fit_max_tokens(call, len(prompt))
             tracker.worst_case_tokens = self._worst_case_tokens(call, len(prompt), params)
             stream = self.engine.generate(
@@ -289,10 +295,15 @@ class ModelServer:
                 cache_salt=call.cache_salt,
             )
             echo_text = self._prompt_text(call.prompt, prompt) if call.echo else None
+            tool_format = self.engine.tool_call_format if call.tools else None
+            first = True
             async for output in stream:
                 step = tracker.step(output)
-                if echo_text is not None:
-                    step, echo_text = dataclasses.replace(step, echo_text=echo_text), None
+                if first:
+                    step = dataclasses.replace(
+                        step, echo_text=echo_text, tool_call_format=tool_format
+                    )
+                    first = False
                 prompt_tokens = step.prompt_tokens
                 if first_token_s is None and any(d.num_new_tokens for d in step.deltas):
                     first_token_s = time.perf_counter() - started

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loraplex.deployments.catalog import ADAPTER_NAME
+from loraplex.deployments.tool_calls import ToolCalling
 from loraplex.platform.failpoints import NAMES as FAILPOINT_NAMES
 from loraplex.platform.guided import GuidedSpec
 from loraplex.platform.request import SamplingParams
@@ -60,7 +61,6 @@ IGNORED_FIELDS = {
     "prompt_cache_key": "prefix caching is automatic, per tenant",
     "safety_identifier": "no abuse monitoring here (use `user` for the request logs)",
     "stream_options.include_obfuscation": "stream events carry no padding",
-    "parallel_tool_calls": "(chat) tool calls are not parsed yet",
     "reasoning_effort": "(chat) the served models do not reason in hidden tokens",
     "verbosity": "(chat) no effect on these models",
     "modalities": '(chat) only ["text"] is accepted',
@@ -93,12 +93,13 @@ class StructuredOutputs(StrictModel):
 
     def spec(self) -> GuidedSpec:
         if self.json_ is not None:
-            return GuidedSpec("json_schema", _schema_text(self.json_, "structured_outputs.json"))
+            field = "structured_outputs.json"
+            return GuidedSpec("json_schema", _schema_text(self.json_, field), field)
         if self.regex is not None:
-            return GuidedSpec("regex", self.regex)
+            return GuidedSpec("regex", self.regex, "structured_outputs.regex")
         if self.choice is not None:
-            return GuidedSpec.choice(self.choice)
-        return GuidedSpec("grammar", self.grammar or "")
+            return GuidedSpec.choice(self.choice, "structured_outputs.choice")
+        return GuidedSpec("grammar", self.grammar or "", "structured_outputs.grammar")
 
 
 def _schema_text(schema: dict[str, Any] | str, field: str) -> str:
@@ -137,9 +138,10 @@ class ResponseFormat(StrictModel):
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return GuidedSpec("json_object")
+            return GuidedSpec("json_object", origin="response_format")
+        field = "response_format.json_schema.schema"
         schema = self.json_schema.schema_ if self.json_schema else None
-        return GuidedSpec("json_schema", _schema_text(schema or {}, "response_format.json_schema"))
+        return GuidedSpec("json_schema", _schema_text(schema or {}, field), field)
 
 
 class SamplingFields(IgnoredFields):
@@ -356,8 +358,46 @@ def _arguments(text: str) -> dict[str, Any] | str:
     return value if isinstance(value, dict) else text
 
 
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = Field(default=None, max_length=1 << 16)
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="a JSON schema of the arguments object"
+    )
+    strict: bool | None = Field(
+        default=None, description="forced calls always follow the schema, strict or not"
+    )
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (schema or {}).get("type", "object")
+        if kind != "object":
+            raise ValueError(f"a function's parameters must be an object schema, got {kind!r}")
+        return schema
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -370,6 +410,45 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+        return self
+
+    def tool_calling(self) -> ToolCalling | None:
+        """The tools and what `tool_choice` asks (`auto` when tools come without one);
+        None without tools."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        named = isinstance(choice, NamedToolChoice)
+        return ToolCalling(
+            tools=tuple(tool.model_dump(exclude_none=True) for tool in self.tools),
+            choice="named" if named else choice,
+            function=choice.function.name if named else None,
+            parallel=self.parallel_tool_calls is not False,
+        )
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """`SamplingFields.guided_spec`, or the structure a forced tool call takes (not
+        both: ValueError)."""
+        spec = super().guided_spec()
+        calling = self.tool_calling()
+        forced = calling.guided_spec() if calling is not None else None
+        if forced is not None and spec is not None:
+            raise ValueError(
+                "tool_choice: a forced tool call cannot be combined with response_format "
+                "or structured_outputs"
+            )
+        return forced or spec
 
 
 class TokenizeRequest(StrictModel):

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from loraplex.deployments.model_server import StreamDelta, StreamStep
+from loraplex.deployments.tool_calls import ToolCallChunk, ToolCalling, ToolCallParser
 from loraplex.platform.request import Logprob
 
 
@@ -17,15 +18,25 @@ def sse(payload: dict[str, Any]) -> str:
 class ChoiceAccumulator:
     """Collects one prompt's deltas per choice; emits chunks or its choices. A request
     with a batch of prompts has one per prompt, each numbering its choices from
-    `first_index` (prompt i of n-choice requests: i * n)."""
+    `first_index` (prompt i of n-choice requests: i * n). A chat request with tools
+    reads each choice's text through a tool-call parser (deployments/tool_calls.py),
+    made when the first step says the model's tool-call format."""
 
     def __init__(
-        self, request_id: str, model: str, chat: bool, n: int, first_index: int = 0
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        n: int,
+        first_index: int = 0,
+        tools: ToolCalling | None = None,
     ) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.first_index = first_index
+        self.tools = tools
+        self.parsers: list[ToolCallParser | None] = [None] * n
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -43,40 +54,61 @@ class ChoiceAccumulator:
     def add(self, step: StreamStep) -> None:
         self._take(step)
 
-    def _take(self, step: StreamStep) -> list[str]:
+    def _take(self, step: StreamStep) -> list[tuple[str, list[ToolCallChunk]]]:
         """Books a step; returns each delta's text as the client sees it (a completion's
-        first text led by the echoed prompt)."""
+        first text led by the echoed prompt; with tools, the content part of it) and
+        the tool-call chunks it completed."""
         self.prompt_tokens = step.prompt_tokens
         self.cached_tokens = step.cached_tokens
         if step.echo_text is not None:
             self._echo = step.echo_text
-        texts = []
+        if self.tools is not None and not any(self._started):
+            self.parsers = [self.tools.parser(step.tool_call_format) for _ in self.parsers]
+        released = []
         for delta in step.deltas:
+            i = delta.index
             text = delta.text
-            if not self._started[delta.index]:
+            if not self._started[i]:
                 text = self._echo + text
-                self._started[delta.index] = True
-            texts.append(text)
-            self.texts[delta.index] += text
-            self.completion_tokens[delta.index] += delta.num_new_tokens
-            self.logprobs[delta.index].extend(delta.logprobs)
-            if delta.finish_reason is not None:
-                self.finish_reasons[delta.index] = _openai_finish(delta.finish_reason)
-        return texts
+                self._started[i] = True
+            calls: list[ToolCallChunk] = []
+            parser = self.parsers[i]
+            finish = _openai_finish(delta.finish_reason)
+            if parser is not None:
+                text, calls = parser.feed(text)
+                if finish is not None:
+                    more_text, more_calls = parser.finish()
+                    text, calls = text + more_text, calls + more_calls
+                    if parser.calls and parser.finish_as_tool_calls and finish == "stop":
+                        finish = "tool_calls"
+            released.append((text, calls))
+            self.texts[i] += text
+            self.completion_tokens[i] += delta.num_new_tokens
+            self.logprobs[i].extend(delta.logprobs)
+            if finish is not None:
+                self.finish_reasons[i] = finish
+        return released
 
     def chunks(self, step: StreamStep) -> list[dict[str, Any]]:
         first = [not self._started[delta.index] for delta in step.deltas]
-        texts = self._take(step)
-        return [
-            self._chunk(delta, text, is_first)
-            for delta, text, is_first in zip(step.deltas, texts, first, strict=True)
-        ]
+        released = self._take(step)
+        chunks = []
+        for delta, (text, calls), is_first in zip(step.deltas, released, first, strict=True):
+            quiet = not (text or calls or is_first or delta.logprobs or delta.finish_reason)
+            if quiet and self.parsers[delta.index] is not None:
+                continue  # a parser holding text back: nothing to tell yet
+            chunks.append(self._chunk(delta, text, calls, is_first))
+        return chunks
 
-    def _chunk(self, delta: StreamDelta, text: str, first: bool) -> dict[str, Any]:
-        finish = _openai_finish(delta.finish_reason)
+    def _chunk(
+        self, delta: StreamDelta, text: str, calls: list[ToolCallChunk], first: bool
+    ) -> dict[str, Any]:
+        finish = self.finish_reasons[delta.index] if delta.finish_reason else None
         index = self.first_index + delta.index
         if self.chat:
             content: dict[str, Any] = {"content": text}
+            if calls:
+                content = {"content": text or None, "tool_calls": [c.as_delta() for c in calls]}
             if first:
                 content["role"] = "assistant"
             choice: dict[str, Any] = {"index": index, "delta": content}
@@ -97,7 +129,7 @@ class ChoiceAccumulator:
             if self.chat:
                 choice = {
                     "index": index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": self._message(offset, text),
                     "logprobs": _chat_logprobs(logprobs) if logprobs else None,
                 }
             else:
@@ -109,6 +141,17 @@ class ChoiceAccumulator:
             choice["finish_reason"] = self.finish_reasons[offset]
             choices.append(choice)
         return choices
+
+    def _message(self, offset: int, text: str) -> dict[str, Any]:
+        parser = self.parsers[offset]
+        calls = parser.calls if parser is not None else []
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {
+            "role": "assistant",
+            "content": text or None,
+            "tool_calls": [call.as_message_part() for call in calls],
+        }
 
     def envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

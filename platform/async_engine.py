@@ -40,7 +40,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
-from loraplex.platform.tokenizer import apply_chat_template, encode_text
+from loraplex.platform.tokenizer import apply_chat_template, encode_text, tool_call_format
 
 logger = logging.getLogger(__name__)
 
@@ -303,14 +303,22 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def prompt_ids(
-        self, prompt: str | Sequence[int] | None, messages: list[dict] | None = None
+        self,
+        prompt: str | Sequence[int] | None,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """A prompt's token ids: text or ids as given, or chat messages through the model's
-        chat template (with the assistant's turn opened). Ids are checked when the
-        request is made (`generate`)."""
+        """A prompt's token ids: text or ids as given, or chat messages and the tools
+        offered through the model's chat template (with the assistant's turn opened).
+        Ids are checked when the request is made (`generate`)."""
         if messages is None:
             return self.engine.tokenize(prompt if prompt is not None else "")
-        return apply_chat_template(self.engine.tokenizer, messages)
+        return apply_chat_template(self.engine.tokenizer, messages, tools=tools)
+
+    @property
+    def tool_call_format(self) -> str | None:
+        """The tool-call format the model's chat template teaches (tool_call_format)."""
+        return tool_call_format(self.engine.tokenizer)
 
     def token_ids(
         self,

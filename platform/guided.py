@@ -19,7 +19,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -43,14 +43,16 @@ class GuidedSpec:
 
     kind: GuidedKind
     value: str = ""
+    origin: str = field(default="", compare=False)
+    """The request field the spec came from, for error messages (not part of its key)."""
 
     @property
     def key(self) -> str:
         return hashlib.sha256(f"{self.kind}\0{self.value}".encode()).hexdigest()
 
     @classmethod
-    def choice(cls, options: list[str]) -> GuidedSpec:
-        return cls("choice", json.dumps(list(options)))
+    def choice(cls, options: list[str], origin: str = "") -> GuidedSpec:
+        return cls("choice", json.dumps(list(options)), origin)
 
 
 def _choice_grammar(value: str) -> str:
@@ -106,7 +108,8 @@ class GrammarCompiler:
             return compiler.compile_grammar(spec.value)
         except (RuntimeError, ValueError, TypeError) as exc:
             reason = SOURCE_LOCATION.sub("", str(exc)).strip()
-            raise ValueError(f"the {spec.kind} does not compile: {reason}") from None
+            what = spec.origin or f"the {spec.kind}"
+            raise ValueError(f"{what} does not compile: {reason}") from None
 
     def state(self, compiled: object, spec: GuidedSpec) -> GuidedState:
         """A fresh parse state for one completion. Without stop tokens (a model with

@@ -1,5 +1,11 @@
 """Loads a model folder's tokenizer (local files only) and its end-of-sequence ids, and
-turns chat messages into prompt ids through its chat template."""
+turns chat messages (and the tools a chat offers) into prompt ids through its chat
+template.
+
+Tools reach the model through the template when it renders them (it reads `tools`, as
+Qwen2.5's, Llama 3.1's and Hermes' do). A template that does not (SmolLM2's) gets them
+as a system message listing each function's JSON definition, and past assistant tool
+calls, which such a template would drop, as `<tool_call>` text in their message."""
 
 from __future__ import annotations
 
@@ -60,21 +66,81 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
         raise ValueError(f"the prompt cannot be tokenized: {exc}") from None
 
 
+def _template_text(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return template if isinstance(template, str) else json.dumps(template)
+
+
+def tool_call_format(tokenizer) -> str | None:
+    """The tool-call format the chat template teaches: 'hermes' (`<tool_call>` JSON
+    blocks) or None (no format this server reads)."""
+    return "hermes" if "<tool_call>" in _template_text(tokenizer) else None
+
+
+TOOLS_PREAMBLE = (
+    "You may call these functions. To call one, answer with "
+    '<tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>.\n'
+)
+
+
+def _with_tools_described(
+    messages: list[dict], tools: Sequence[Mapping[str, object]]
+) -> list[dict]:
+    """`messages` with the tools listed in a system message (merged into a leading one)."""
+    listing = TOOLS_PREAMBLE + "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    if messages and messages[0].get("role") == "system":
+        head = dict(messages[0])
+        head["content"] = f"{head.get('content') or ''}\n\n{listing}".lstrip()
+        return [head, *messages[1:]]
+    return [{"role": "system", "content": listing}, *messages]
+
+
+def _tool_calls_as_text(message: dict) -> dict:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    blocks = [
+        "<tool_call>"
+        + json.dumps(
+            {"name": call["function"]["name"], "arguments": call["function"]["arguments"]},
+            ensure_ascii=False,
+        )
+        + "</tool_call>"
+        for call in calls
+    ]
+    text = "\n".join([message.get("content") or "", *blocks]).lstrip("\n")
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
+
+
 def apply_chat_template(
-    tokenizer, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True
+    tokenizer,
+    messages: Sequence[Mapping[str, object]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, object]] | None = None,
 ) -> list[int]:
     """The prompt ids of chat `messages` (role / content dicts, tool calls as chat
-    templates read them) through the tokenizer's chat template, with the assistant's
-    turn opened unless `add_generation_prompt` is False. ValueError when the tokenizer
-    has no chat template or the template or tokenizer cannot take the messages."""
+    templates read them) and the `tools` offered (OpenAI function definitions) through
+    the tokenizer's chat template, with the assistant's turn opened unless
+    `add_generation_prompt` is False. ValueError when the tokenizer has no chat template
+    or the template or tokenizer cannot take the messages."""
     if not has_chat_template(tokenizer):
         raise ValueError("this model's tokenizer has no chat template")
+    template = _template_text(tokenizer)
+    conversation = [dict(message) for message in messages]
+    rendered_tools = None
+    if tools and "tools" in template:
+        rendered_tools = [dict(tool) for tool in tools]
+    elif tools:
+        conversation = _with_tools_described(conversation, tools)
+    if "tool_calls" not in template:
+        conversation = [_tool_calls_as_text(message) for message in conversation]
     try:
         encoded = tokenizer.apply_chat_template(
-            [dict(message) for message in messages],
+            conversation,
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=True,
+            tools=rendered_tools,
         )
     except _input_errors() as exc:
         raise ValueError(f"the messages cannot be put through the chat template: {exc}") from None

@@ -49,9 +49,21 @@ BYTE_CORPUS = [
 ] * 4
 
 
+BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    'Call one with <tool_call>{"name": ..., "arguments": ...}</tool_call>\n{% endif %}'
+    "{% for m in messages %}{% if m.tool_calls %}{% for call in m.tool_calls %}"
+    "<tool_call>{{ {'name': call.function.name, 'arguments': call.function.arguments}"
+    " | tojson }}</tool_call>\n{% endfor %}{% else %}{{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+)
+"""Text messages one per line; with tools, Hermes-style: each tool's JSON, and calls as
+`<tool_call>` blocks (so `tool_choice: auto` is read back as tool calls)."""
+
+
 def save_byte_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> None:
     """A byte-level BPE tokenizer trained in-process (so it can spell any text, JSON
-    included) with `<|endoftext|>` as id 0 and EOS."""
+    included) with `<|endoftext|>` as id 0 and EOS, and a Hermes-style chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -66,7 +78,7 @@ def save_byte_tokenizer(folder: Path, vocab_size: int = TINY_VOCAB) -> None:
     )
     backend.train_from_iterator(BYTE_CORPUS, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=BYTE_EOS)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
 
 

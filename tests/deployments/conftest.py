@@ -3,7 +3,8 @@
 The app serves four tiny base models: `tiny` (Llama, with three shared adapters),
 `tiny-tight` (the same weights and one adapter, with a KV cache of 24 blocks: running
 requests get preempted), `tiny-bytes` (Llama with a byte-level tokenizer that can spell
-JSON, and its adapter `sj`: structured output) and `tiny-qwen` (one replica that takes
+JSON and a Hermes-style chat template, 1024 tokens of context, and its adapter `sj`:
+structured output, tool calls, client libraries) and `tiny-qwen` (one replica that takes
 one request at a time and queues one, so it overloads on purpose). Three tenants: `acme` (everything), `globex` (key from an
 environment variable; `tiny` and its shared adapter `sa` only) and `limited`
 (one request at a time, 100 tokens a minute). Tenant adapters live under a temporary
@@ -72,7 +73,7 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
         name: peft_adapter_factory(base, shared_root / name, **options)
         for name, options in SHARED.items()
     }
-    byte_base = tiny_model_factory("llama", tokenizer="bytes")
+    byte_base = tiny_model_factory("llama", tokenizer="bytes", max_position_embeddings=1024)
     byte_adapter = peft_adapter_factory(
         byte_base, shared_root / "sj", rank=4, target_modules=("q_proj", "v_proj"), seed=14
     )
@@ -107,7 +108,7 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
             {
                 "name": "tiny-bytes",
                 "model": str(byte_base),
-                "engine": {**engine, "kv_cache_memory_bytes": 1 << 26},
+                "engine": {**engine, "max_model_len": 1024, "kv_cache_memory_bytes": 1 << 26},
                 "adapters": {"sj": str(byte_adapter)},
                 "server": {"num_cpus": 0.1},
             },

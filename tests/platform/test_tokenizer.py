@@ -11,6 +11,7 @@ from loraplex.platform.tokenizer import (
     encode_text,
     has_chat_template,
     load_tokenizer,
+    tool_call_format,
 )
 
 MESSAGES = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]
@@ -56,3 +57,56 @@ def test_text_the_tokenizer_cannot_take_is_a_value_error(tiny_model_factory):
     with pytest.raises(ValueError, match="chat template"):
         apply_chat_template(tokenizer, [{"role": "user", "content": "\ud800"}])
     assert encode_text(tokenizer, "w5 w6") == tokenizer.encode("w5 w6")
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_time", "arguments": {"zone": "UTC"}},
+}
+
+
+def test_a_template_that_renders_tools_gets_them(tiny_model_factory):
+    tokenizer = load_tokenizer(tiny_model_factory("llama", tokenizer="bytes"))
+    assert tool_call_format(tokenizer) == "hermes"
+    text = tokenizer.decode(
+        apply_chat_template(
+            tokenizer,
+            [
+                {"role": "user", "content": "time?"},
+                {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                {"role": "tool", "content": "noon", "tool_call_id": "call_1"},
+            ],
+            tools=[TOOL],
+        )
+    )
+    assert text.startswith('{"type": "function", "function": {"name": "get_time"')
+    assert '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>' in text
+    assert text.endswith("noon\n")
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message(tiny_model_factory):
+    """SmolLM2's kind of template: tools listed in a system message (merged into the
+    first one), past calls as `<tool_call>` text; no tool-call format to read back."""
+    tokenizer = copy.deepcopy(load_tokenizer(tiny_model_factory("llama", tokenizer="bytes")))
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    assert tool_call_format(tokenizer) is None
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    ]
+    text = tokenizer.decode(apply_chat_template(tokenizer, messages, tools=[TOOL]))
+    system, user, assistant = text.splitlines()[0], *text.splitlines()[-2:]
+    assert system == "system: Be brief."
+    assert '"name": "get_time"' in text and "You may call these functions" in text
+    assert user == "user: time?"
+    assert assistant == (
+        'assistant: <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    )
+    without_tools = tokenizer.decode(apply_chat_template(tokenizer, messages[1:2]))
+    assert without_tools == "user: time?\n"

@@ -57,7 +57,12 @@ def build_parser(
     bench_kinds = bench.add_subparsers(dest="bench_kind", required=True)
     offline = bench_kinds.add_parser("offline", help="offline throughput on a fixed workload")
     _add_model_options(offline)
-    offline.add_argument("--num-requests", type=int, default=64)
+    offline.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests per run (default: 64; with --speculative, 8 per workload)",
+    )
     offline.add_argument("--prompt-len", type=int, default=128)
     offline.add_argument("--output-len", type=int, default=64)
     offline.add_argument("--baseline", choices=("hf",), default=None, help="also run HF generate")
@@ -92,6 +97,19 @@ def build_parser(
         action="store_true",
         help="also probe this machine's GEMM rates and print the throughput they allow "
         "for the workload (per dtype) and the engine's share of it",
+    )
+    offline.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        default=None,
+        help="instead: time single-stream decoding with and without this speculative "
+        "method, alternating, on a copy-heavy and a random workload",
+    )
+    offline.add_argument("--num-speculative-tokens", type=int, default=4)
+    offline.add_argument("--prompt-lookup-max", type=int, default=4)
+    offline.add_argument("--prompt-lookup-min", type=int, default=2)
+    offline.add_argument(
+        "--rounds", type=int, default=2, help="--speculative: A/B rounds per workload"
     )
     offline.set_defaults(handler=run_bench_offline)
     for add_command in bench_commands:
@@ -151,10 +169,12 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         )
         if value is not None
     }
+    if args.speculative is not None:
+        return run_spec_bench(args, engine_options)
     report = bench.run_offline_bench(
         model=args.model,
         dtype=args.dtype,
-        num_requests=args.num_requests,
+        num_requests=args.num_requests or 64,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
         baseline=args.baseline,
@@ -167,6 +187,30 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         ceiling=args.ceiling,
     )
     sys.stdout.write(bench.format_report(report))
+    return 0
+
+
+def run_spec_bench(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
+    from loraplex.platform import spec_bench
+
+    config = {
+        "method": args.speculative,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "prompt_lookup_min": args.prompt_lookup_min,
+    }
+    report = spec_bench.run_spec_bench(
+        model=args.model,
+        dtype=args.dtype,
+        speculative_config=config,
+        num_requests=args.num_requests or 8,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        rounds=args.rounds,
+        seed=args.seed,
+        engine_options=engine_options,
+    )
+    sys.stdout.write(spec_bench.format_spec_report(report))
     return 0
 
 

@@ -183,6 +183,79 @@ class ParallelConfig:
             raise ValueError(f"worker_num_cpus must be >= 0, got {self.worker_num_cpus}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_OPTION = "speculative_config"
+"""The engine option that holds the speculative section as one mapping (vLLM's name)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, off by default (`method` None). vLLM's names and its option
+    shape: the engine option `speculative_config={"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`.
+
+    'ngram' is prompt lookup (platform/spec_decode.py): the longest suffix of a
+    request's tokens, from `prompt_lookup_max` down to `prompt_lookup_min` tokens, found
+    earlier in its prompt + output proposes the up to `num_speculative_tokens` tokens
+    that followed it there; one forward pass verifies them. When only one of the two
+    lookup bounds is given the other takes its value; neither given: both are 3.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 3
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an int >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @classmethod
+    def from_option(cls, value: object) -> SpeculativeConfig:
+        """The `speculative_config` engine option (None, a mapping or a config) -> a
+        config; ValueError naming the key for unknown keys, a missing method or
+        num_speculative_tokens, and bad values."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value or cls()
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a mapping, got {type(value).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [key for key in value if key not in names]
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config key(s) {', '.join(map(repr, unknown))}; "
+                f"valid keys: {', '.join(names)}"
+            )
+        for key in ("method", "num_speculative_tokens"):
+            if value.get(key) is None:
+                raise ValueError(f"speculative_config.{key} is required")
+        given = dict(value)
+        low, high = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
+        if low is None and high is not None:
+            given["prompt_lookup_min"] = high
+        if high is None and low is not None:
+            given["prompt_lookup_max"] = low
+        return cls(**{key: item for key, item in given.items() if item is not None})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -190,14 +263,17 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_options(cls, model: str, options: Mapping[str, object]) -> EngineConfig:
         """The configs of `model` with flat user options (the `LLM(...)` keywords, a
         serve config's `engine` table): each option sets the field of that name in its
         section (`option_names()`), every other field keeps its dataclass default, and
-        `dtype` goes through `parse_dtype_option`. TypeError names the options that are
-        not fields (and lists the valid ones); a bad value raises its section's error."""
+        `dtype` goes through `parse_dtype_option`; `speculative_config` (one option, a
+        mapping, as in vLLM) is the speculative section (`SpeculativeConfig.from_option`).
+        TypeError names the options that are not fields (and lists the valid ones); a
+        bad value raises its section's error."""
         valid = [name for name in cls.option_names() if name != "model"]
         unknown = [name for name in options if name not in valid]
         if unknown:
@@ -208,19 +284,28 @@ class EngineConfig:
         values = {**options, "model": model}
         if "dtype" in values:
             values["dtype"] = parse_dtype_option(values["dtype"])
-        sections = {}
-        for section in dataclasses.fields(cls):
+        sections = {
+            "speculative": SpeculativeConfig.from_option(values.pop(SPECULATIVE_OPTION, None))
+        }
+        for section in cls._flat_sections():
             names = {f.name for f in dataclasses.fields(section.default_factory)}
             given = {name: value for name, value in values.items() if name in names}
             sections[section.name] = section.default_factory(**given)
         return cls(**sections)
 
     @classmethod
+    def _flat_sections(cls) -> list[dataclasses.Field]:
+        """The sections whose fields are options of their own name."""
+        return [f for f in dataclasses.fields(cls) if f.name != "speculative"]
+
+    @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        """Every field name of every section, for CLI flags and error messages: the
-        options `from_options` takes, and `model`, its own argument."""
-        return tuple(
+        """Every field name of every flat section, then `speculative_config`, for CLI
+        flags and error messages: the options `from_options` takes, and `model`, its
+        own argument."""
+        flat = tuple(
             f.name
-            for section in dataclasses.fields(cls)
+            for section in cls._flat_sections()
             for f in dataclasses.fields(section.default_factory)
         )
+        return (*flat, SPECULATIVE_OPTION)

@@ -44,6 +44,7 @@ from loraplex.platform.parallel.workers import (
 )
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
 from loraplex.platform.scheduler import Scheduler, SchedulerOutput
+from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
 from loraplex.platform.stop import check_stop
 from loraplex.platform.tokenizer import encode_text, eos_token_ids, load_tokenizer
 
@@ -60,6 +61,7 @@ class LLMEngine:
         self._set_limits(config, ModelArch.from_folder(folder))
         model, kv_caches = self._load_model_and_cache(folder)
         lora_slots = self._set_up_adapters(model)
+        self._spec_stats = SpecDecodeStats(self.config.speculative.num_speculative_tokens)
         self._build_request_state()
         cache = self.config.cache
         self.runner = ModelRunner(
@@ -189,6 +191,7 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
+        self._spec_stats = SpecDecodeStats(self.config.speculative.num_speculative_tokens)
         self._build_request_state()
         self.kv_cache.prefix_queries, self.kv_cache.prefix_hits = queries, hits
         elapsed = time.monotonic() - started
@@ -201,7 +204,12 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(
             BlockPool(self.num_blocks), config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, config.lora.max_loras)
+        proposer = None
+        if config.speculative.enabled:
+            proposer = NgramProposer(config.speculative, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, config.lora.max_loras, proposer, self._spec_stats
+        )
         self.outputs = OutputProcessor(self.tokenizer)
 
     def reset(self) -> None:
@@ -432,11 +440,31 @@ class LLMEngine:
         for request in updated:
             if request.failure is not None:
                 logger.warning("request %s failed: %s", request.request_id, request.failure.message)
-        detokenized = self.outputs.detokenize(updated)
-        self._finish_stopped(updated, detokenized.stop_strings)
-        for group_id, failure in detokenized.failed.items():
-            self.scheduler.fail_group(group_id, failure)
+        self._take_new_tokens(updated, result.sampled)
         return self.outputs.outputs(updated)
+
+    def _take_new_tokens(
+        self, updated: list[Request], sampled: Mapping[str, Sequence[tuple[int, object]]]
+    ) -> None:
+        """Detokenizes each request's new tokens and asks `check_stop` after each, one
+        token at a time: the scheduler appended the first; a request with more (accepted
+        drafts and a bonus token) gets the next appended while the ones before did not
+        end it, so its output ends exactly where a one-token-per-step run would."""
+        batch = updated
+        index = 0
+        while batch:
+            detokenized = self.outputs.detokenize(batch)
+            self._finish_stopped(batch, detokenized.stop_strings)
+            for group_id, failure in detokenized.failed.items():
+                self.scheduler.fail_group(group_id, failure)
+            index += 1
+            batch = [
+                request
+                for request in batch
+                if not request.finished and len(sampled.get(request.request_id, ())) > index
+            ]
+            for request in batch:
+                request.append_output_token(*sampled[request.request_id][index])
 
     def _finish_stopped(self, updated: list[Request], stop_strings: Mapping[str, str]) -> None:
         """Ends (through the scheduler: blocks freed at once) every request of `updated`
@@ -461,6 +489,12 @@ class LLMEngine:
         failed = [m for group in groups for m in self.scheduler.fail_group(group, failure)]
         return self.outputs.outputs(failed)
 
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Speculative decoding's acceptance counters since the engine warmed up (all 0
+        with it off); resets keep them."""
+        return self._spec_stats
+
     def stats(self) -> dict[str, float]:
         kv = self.kv_cache
         stats = {
@@ -472,6 +506,8 @@ class LLMEngine:
             "engine_restarts": self.restarts,
             "num_preemptions": self.scheduler.num_preemptions,
         }
+        if self.config.speculative.enabled:
+            stats.update(self.spec_stats.as_stats())
         slots = self.runner.lora_slots
         if self.adapters is not None and slots is not None:
             stats.update(

@@ -133,6 +133,32 @@ class KVCacheManager:
         for index in range(first, num_full):
             self.pool.cache(table[index], hashes[index])
 
+    def allocate_draft_slots(self, request: Request, num_drafts: int) -> bool:
+        """Grows the table of a request scheduled to compute its newest token so that
+        `num_drafts` speculative tokens after it have cache slots too. The new blocks
+        are fresh and never published (drafts are not the request's tokens yet). Returns
+        False, changing nothing, when the free queue is short (the caller then drops
+        the drafts: nothing is preempted for them)."""
+        table = self._tables[request.request_id]
+        needed = self.blocks_needed(request.num_computed_tokens + 1 + num_drafts) - len(table)
+        if needed <= 0:
+            return True
+        if needed > self.pool.num_free:
+            return False
+        table.extend(self.pool.allocate(needed))
+        return True
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Rollback after verification: releases the blocks wholly past the request's
+        first `num_tokens` tokens (those held only rejected drafts' K/V; never
+        published, so nothing leaves the prefix cache)."""
+        table = self._tables.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        self.pool.release(reversed(table[keep:]))
+        del table[keep:]
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent's table (copy-on-write later)."""
         table = self._tables[parent.request_id]

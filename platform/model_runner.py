@@ -8,6 +8,11 @@ With LoRA, the step's adapters are made resident in device slots first, and deco
 and prefill chunks are each ordered by slot so every adapter's tokens are contiguous
 (one segment per adapter and kind; see kernels/lora.py).
 
+A speculating decode (platform/spec_decode.py) is a chunk of its newest token and its
+drafts, placed with the prefill chunks, and samples at every one of its positions;
+the drafts are verified against those tokens and the request gets the accepted drafts
+and one bonus token.
+
 Failures that belong to one request stay with it: a row whose logits are not finite,
 or whose sampling raises (the batch is then sampled again row by row, seeded
 generators rewound), is reported in `StepResult.failed` and every other row keeps its
@@ -31,7 +36,7 @@ the collectives inside the model keep the ranks together (parallel/workers.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,6 +53,7 @@ from loraplex.platform.kv_cache import copy_blocks
 from loraplex.platform.request import Logprob, Request, RequestFailure
 from loraplex.platform.sampler import Sampler, SamplerOutput, SamplingBatch
 from loraplex.platform.scheduler import ScheduledRequest, SchedulerOutput
+from loraplex.platform.spec_decode import num_accepted
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +68,9 @@ class AdapterActivationError(RuntimeError):
 
 @dataclass
 class StepResult:
-    sampled: dict[str, tuple[int, Logprob | None]] = field(default_factory=dict)
-    """request id -> (sampled token, logprob or None)"""
+    sampled: dict[str, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
+    """request id -> its new tokens, each (token, logprob or None): one, or after a
+    speculating decode the accepted drafts and the bonus token"""
     failed: dict[str, RequestFailure] = field(default_factory=dict)
     """request id -> why it got no token (only that request ends)"""
 
@@ -95,7 +102,10 @@ class PreparedStep:
 
     inputs: StepInputs
     sample_requests: list[Request]
-    """[R] the request row r of `inputs.sample_rows` samples for."""
+    """[R] the request row r of `inputs.sample_rows` samples for (a speculating request
+    has 1 + d consecutive rows, one per query position)."""
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    """request id -> the drafts its rows verify (speculating requests only)."""
 
 
 class StepFollowers(Protocol):
@@ -147,7 +157,7 @@ class ModelRunner:
         logits = self._lead(step.inputs)
         if logits is None:
             return StepResult()
-        return self.sample(logits, step.sample_requests)
+        return self.sample(logits, step.sample_requests, step.drafts)
 
     def _lead(self, inputs: StepInputs) -> torch.Tensor | None:
         """Rank 0: hands `inputs` to the other ranks, then runs them (see `run`)."""
@@ -181,9 +191,16 @@ class ModelRunner:
             self.lora_slots.load(adapter, slot)
         self.lora_slots.take_loads()
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> StepResult:
-        """Samples one token per row of `logits[R, V]`; a row that cannot be sampled
+    def sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        drafts: Mapping[str, list[int]] | None = None,
+    ) -> StepResult:
+        """Samples one token per row of `logits[R, V]` and verifies the `drafts` of the
+        speculating requests (their rows are consecutive); a row that cannot be sampled
         fails its own request only."""
+        drafts = drafts or {}
         generators = [r.generator for r in requests if r.generator is not None]
         states = [g.get_state() for g in generators]
         try:
@@ -194,9 +211,9 @@ class ModelRunner:
             )
             for generator, state in zip(generators, states, strict=True):
                 generator.set_state(state)
-            return self._sample_rows(logits, requests)
+            return self._sample_rows(logits, requests, drafts)
         result = StepResult()
-        self._collect(result, requests, sampled, range(len(requests)))
+        self._collect(result, requests, [(sampled, row) for row in range(len(requests))], drafts)
         return result
 
     def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
@@ -205,35 +222,56 @@ class ModelRunner:
                 FAILPOINTS.hit("sampler.row", request)
         return self.sampler(logits, SamplingBatch.from_requests(requests, self.device))
 
-    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> StepResult:
+    def _sample_rows(
+        self, logits: torch.Tensor, requests: list[Request], drafts: Mapping[str, list[int]]
+    ) -> StepResult:
         result = StepResult()
+        outputs: list[tuple[SamplerOutput, int] | None] = []
         for row, request in enumerate(requests):
             try:
-                sampled = self._sample_batch(logits[row : row + 1], [request])
+                outputs.append((self._sample_batch(logits[row : row + 1], [request]), 0))
             except Exception as exc:
                 logger.error("request %s: sampling failed: %r", request.request_id, exc)
                 result.failed[request.request_id] = RequestFailure(
                     f"sampling failed inside the engine: {exc}"
                 )
-                continue
-            self._collect(result, [request], sampled, [0])
+                outputs.append(None)
+        kept = [i for i, output in enumerate(outputs) if output is not None]
+        failed = set(result.failed)
+        kept = [i for i in kept if requests[i].request_id not in failed]
+        self._collect(result, [requests[i] for i in kept], [outputs[i] for i in kept], drafts)
         return result
 
     @staticmethod
-    def _collect(result: StepResult, requests: list[Request], sampled: SamplerOutput, rows) -> None:
-        """Books each request's sampled token; a guided request's grammar takes it."""
-        invalid = set(sampled.invalid_rows)
-        blocked = set(sampled.blocked_rows)
-        for request, row in zip(requests, rows, strict=True):
-            token = sampled.token_ids[row]
-            if row in blocked:
-                result.failed[request.request_id] = _no_token_fits(request)
-            elif row in invalid:
-                result.failed[request.request_id] = _non_finite(request)
-            elif request.grammar is not None and not _grammar_takes(request.grammar, token):
-                result.failed[request.request_id] = _no_token_fits(request)
+    def _collect(
+        result: StepResult,
+        requests: list[Request],
+        rows: list[tuple[SamplerOutput, int]],
+        drafts: Mapping[str, list[int]],
+    ) -> None:
+        """Books each request's new tokens, (sampler output, row) per row in `rows`: a
+        speculating request's consecutive rows verify its drafts (spec_decode.py) and
+        only the rows of the tokens it keeps are checked; a guided request's grammar
+        takes its token."""
+        start = 0
+        while start < len(rows):
+            request = requests[start]
+            count = 1 + len(drafts.get(request.request_id, ()))
+            run = rows[start : start + count]
+            start += count
+            keep = 1
+            if count > 1:
+                targets = [sampled.token_ids[row] for sampled, row in run]
+                keep += num_accepted(drafts[request.request_id], targets)
+            tokens = []
+            for sampled, row in run[:keep]:
+                failure = _row_failure(request, sampled, row)
+                if failure is not None:
+                    result.failed[request.request_id] = failure
+                    break
+                tokens.append((sampled.token_ids[row], sampled.logprobs[row]))
             else:
-                result.sampled[request.request_id] = (token, sampled.logprobs[row])
+                result.sampled[request.request_id] = tokens
 
     def _slots(self, output: SchedulerOutput) -> dict[bytes, int]:
         """Adapter key -> device slot for this step's adapters (loaded as needed)."""
@@ -261,8 +299,8 @@ class ModelRunner:
             key = item.request.adapter_key
             return -1 if key is None else slot_of[key]
 
-        decodes = sorted((s for s in output.scheduled if s.num_tokens == 1), key=slot)
-        prefills = sorted((s for s in output.scheduled if s.num_tokens > 1), key=slot)
+        decodes = sorted((s for s in output.scheduled if s.num_query_tokens == 1), key=slot)
+        prefills = sorted((s for s in output.scheduled if s.num_query_tokens > 1), key=slot)
         token_slots: list[int] = []
         token_ids: list[int] = []
         positions: list[int] = []
@@ -270,16 +308,23 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         size = self.block_size
+        drafts: dict[str, list[int]] = {}
         for item in decodes + prefills:
             request = item.request
             start = request.num_computed_tokens
-            stop = start + item.num_tokens
-            token_ids.extend(request.all_token_ids[start:stop])
-            token_slots.extend([slot(item)] * item.num_tokens)
+            stop = start + item.num_query_tokens
+            token_ids.extend(request.all_token_ids[start : start + item.num_tokens])
+            token_ids.extend(item.draft_token_ids)
+            token_slots.extend([slot(item)] * item.num_query_tokens)
             positions.extend(range(start, stop))
             table = item.block_ids
             slots.extend(table[p // size] * size + p % size for p in range(start, stop))
-            if item.samples:
+            if item.draft_token_ids:
+                drafts[request.request_id] = item.draft_token_ids
+                first = len(token_ids) - item.num_query_tokens
+                sample_rows.extend(range(first, len(token_ids)))
+                sample_requests.extend([request] * item.num_query_tokens)
+            elif item.samples:
                 row = len(token_ids) - 1
                 for member in [request, *output.forks.get(request.request_id, ())]:
                     sample_rows.append(row)
@@ -295,7 +340,7 @@ class ModelRunner:
                 dtype=torch.int64,
                 device=device,
             ),
-            prefill_query_lens=[s.num_tokens for s in prefills],
+            prefill_query_lens=[s.num_query_tokens for s in prefills],
             prefill_seq_lens=[_context_after(s) for s in prefills],
             prefill_block_tables=_pad_tables([s.block_ids for s in prefills], device),
         )
@@ -314,7 +359,19 @@ class ModelRunner:
             block_copies=tuple(output.block_copies),
             slot_writes=tuple(slot_writes),
         )
-        return PreparedStep(inputs, sample_requests)
+        return PreparedStep(inputs, sample_requests, drafts)
+
+
+def _row_failure(request: Request, sampled: SamplerOutput, row: int) -> RequestFailure | None:
+    """Why `row` of `sampled` gives `request` no token (None: it gives one); a guided
+    request's grammar takes the token here."""
+    if row in sampled.blocked_rows:
+        return _no_token_fits(request)
+    if row in sampled.invalid_rows:
+        return _non_finite(request)
+    if request.grammar is not None and not _grammar_takes(request.grammar, sampled.token_ids[row]):
+        return _no_token_fits(request)
+    return None
 
 
 def _grammar_takes(grammar: GuidedState, token: int) -> bool:
@@ -346,4 +403,4 @@ def _non_finite(request: Request) -> RequestFailure:
 
 
 def _context_after(item: ScheduledRequest) -> int:
-    return item.request.num_computed_tokens + item.num_tokens
+    return item.request.num_computed_tokens + item.num_query_tokens

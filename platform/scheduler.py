@@ -9,6 +9,12 @@ preempted: its blocks are freed and it later recomputes prompt + generated token
 n > 1 sampling: child 0 of a group computes the prompt; its siblings wait outside the
 queues and fork child 0's blocks the step its first token is sampled.
 
+Speculative decoding (platform/spec_decode.py): once the step's known tokens are
+placed, decodes of speculating requests get drafts from the proposer, within the
+budget left and the free KV blocks (drafts never preempt and never take budget from
+another request's tokens); after the step the scheduler books how many were accepted
+and returns the blocks that only rejected drafts used.
+
 LoRA: at most `max_loras` distinct adapters run at once (one device slot each). A
 waiting request whose adapter would need a slot while all are taken is skipped, and
 from then on only base-model requests may pass it: requests for resident adapters
@@ -20,18 +26,29 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from loraplex.platform.config import SchedulerConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request, RequestFailure, RequestStatus
+from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
     num_tokens: int
+    """Known tokens (prompt or generated) this step computes."""
     block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative tokens computed after the newest known token (platform/spec_decode.py);
+    only on a decode (num_tokens == 1)."""
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens this request puts through the model this step: known ones, then drafts."""
+        return self.num_tokens + len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
@@ -50,7 +67,8 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        """Query tokens of the step, drafts included (what the token budget bounds)."""
+        return sum(s.num_query_tokens for s in self.scheduled)
 
     @property
     def empty(self) -> bool:
@@ -91,10 +109,18 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         max_loras: int = 0,
+        proposer: NgramProposer | None = None,
+        spec_stats: SpecDecodeStats | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_loras = max_loras
+        self.proposer = proposer
+        """Drafts for speculating decodes (None: speculative decoding is off)."""
+        if spec_stats is None:
+            spec_stats = SpecDecodeStats(proposer.num_speculative_tokens if proposer else 0)
+        self.spec_stats = spec_stats
+        """Acceptance counters the scheduler advances as it books verifications."""
         self.waiting = WaitingQueue(config.policy == "priority")
         self.running: list[Request] = []
         self.fork_waiting: dict[str, list[Request]] = {}
@@ -149,6 +175,8 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
+        if self.proposer is not None:
+            self._add_drafts(scheduled, budget)
 
         for item in scheduled:
             item.block_ids = self.kv_cache.block_ids(item.request.request_id)
@@ -203,6 +231,20 @@ class Scheduler:
         self.waiting.remove_all(admitted)
         return budget
 
+    def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        """Gives decodes of speculating requests their drafts, last, from what the step
+        left: token budget and free KV blocks (never a preemption); a decode that cannot
+        have its drafts' slots runs without them."""
+        for item in scheduled:
+            if budget <= 0:
+                return
+            if item.num_tokens != 1 or not item.samples:
+                continue
+            drafts = self.proposer.propose(item.request, budget)
+            if drafts and self.kv_cache.allocate_draft_slots(item.request, len(drafts)):
+                item.draft_token_ids = drafts
+                budget -= len(drafts)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
@@ -217,15 +259,25 @@ class Scheduler:
     def update(
         self,
         output: SchedulerOutput,
-        sampled: dict[str, tuple[int, object]],
+        sampled: Mapping[str, Sequence[tuple[int, object]]],
         failed: dict[str, RequestFailure] | None = None,
     ) -> list[Request]:
-        """Advances computed counts, forks siblings, appends sampled tokens and ends the
-        groups whose step `failed` (each with that failure). Returns the requests that got
-        a new token or failed this step. Whether a request with a new token stops is
-        `check_stop`'s to say (platform/stop.py); the engine then calls `finish`."""
+        """Advances computed counts, forks siblings, appends each request's first new
+        token and ends the groups whose step `failed` (each with that failure). Returns
+        the requests that got a new token or failed this step. Whether a request with a
+        new token stops is `check_stop`'s to say (platform/stop.py); the engine then
+        calls `finish`.
+
+        `sampled[request id]` is the request's new tokens with their logprobs: one, or
+        after a speculating decode the accepted drafts then the bonus token. Their count
+        books the verification: the accepted drafts' K/V counts as computed, the blocks
+        past the request's tokens go back to the pool (rollback), and the spec-decode
+        counters advance. The engine appends the tokens after the first one by one,
+        stopping at the first that ends the request."""
         for item in output.scheduled:
             item.request.num_computed_tokens += item.num_tokens
+            if item.draft_token_ids:
+                self._book_verification(item, sampled.get(item.request.request_id))
         for parent_id, siblings in output.forks.items():
             parent = self.requests[parent_id]
             del self.fork_waiting[parent_id]
@@ -239,13 +291,24 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 updated.extend(self.fail_group(request.group_id, failure))
-        for request_id, (token_id, logprob) in sampled.items():
+        for request_id, tokens in sampled.items():
             request = self.requests.get(request_id)
             if request is None:
                 continue  # its group failed this step
-            request.append_output_token(token_id, logprob)
+            request.append_output_token(*tokens[0])
             updated.append(request)
         return updated
+
+    def _book_verification(
+        self, item: ScheduledRequest, tokens: Sequence[tuple[int, object]] | None
+    ) -> None:
+        request = item.request
+        if tokens is None:
+            return  # the request failed this step; it ends and frees its blocks
+        accepted = len(tokens) - 1
+        self.spec_stats.observe(len(item.draft_token_ids), accepted)
+        request.num_computed_tokens += accepted
+        self.kv_cache.trim(request, request.num_computed_tokens + 1)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Ends a request (stop, length, abort or error) and frees its blocks at once;
@@ -258,6 +321,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request, uncache=status is RequestStatus.FINISHED_ERROR)
         self.requests.pop(request.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         for sibling in self.fork_waiting.pop(request.request_id, ()):
             self.finish(sibling, status)
 
@@ -276,6 +341,8 @@ class Scheduler:
         blocks its tokens were to fill (their K/V was never written)."""
         for item in output.scheduled:
             self.kv_cache.unpublish_uncomputed(item.request)
+            if item.draft_token_ids:
+                self.kv_cache.trim(item.request, item.request.num_tokens)
 
     def abort_group(self, group_id: str) -> list[Request]:
         """Aborts every unfinished request of a group; returns them."""

@@ -69,7 +69,7 @@ def step(scheduler, rng=None, token=1):
         assert item.request.status is RequestStatus.RUNNING
         if item.samples:
             for member in [item.request, *output.forks.get(item.request.request_id, ())]:
-                sampled[member.request_id] = (rng.randrange(8) if rng else token, None)
+                sampled[member.request_id] = [(rng.randrange(8) if rng else token, None)]
     updated = scheduler.update(output, sampled)
     for request in updated:
         stop = check_stop(request, MAX_LEN)

@@ -17,6 +17,8 @@ import threading
 from prometheus_client.parser import text_string_to_metric_families
 from ray.util import metrics
 
+from loraplex.platform.spec_decode import ACCEPTED_PER_POS_KEY
+
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TOKEN_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 LOAD_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]
@@ -110,6 +112,22 @@ class EngineMetrics:
             "Adapters held by the replica, per tier",
             (*keys, "tier"),
         )
+        self.spec = {
+            f"spec_decode_{name}": metrics.Counter(
+                f"vllm_spec_decode_{name}_total", description, keys
+            )
+            for name, description in (
+                ("num_drafts", "Speculative verifications (one request's drafts, one step)"),
+                ("num_draft_tokens", "Draft tokens proposed"),
+                ("num_accepted_tokens", "Draft tokens accepted"),
+            )
+        }
+        self.spec_per_pos = metrics.Counter(
+            "vllm_spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted at each draft position",
+            (*keys, "position"),
+        )
+        self._last_spec: dict[str, int] = {}
         self.adapter_label = BoundedLabel()
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
@@ -133,6 +151,21 @@ class EngineMetrics:
         for tier, key in (("device", "lora_resident"), ("host", "lora_host_cached")):
             if key in stats:
                 self.resident.set(stats[key], {**self.tags, "tier": tier})
+        for key, value in stats.items():
+            if key.startswith("spec_decode_"):
+                self._advance_spec(key, int(value))
+
+    def _advance_spec(self, key: str, value: int) -> None:
+        """Advances a speculative-decoding counter to the engine's cumulative `value`."""
+        delta = value - self._last_spec.get(key, 0)
+        self._last_spec[key] = value
+        if delta <= 0:
+            return
+        if key.startswith(ACCEPTED_PER_POS_KEY):
+            position = key.removeprefix(ACCEPTED_PER_POS_KEY)
+            self.spec_per_pos.inc(delta, {**self.tags, "position": position})
+        elif key in self.spec:
+            self.spec[key].inc(delta, self.tags)
 
     def record_request(
         self,

@@ -8,6 +8,7 @@ dataclass only. `EngineConfig.from_options` is the one place where flat user opt
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -230,13 +231,22 @@ class SpeculativeConfig:
 
     @classmethod
     def from_option(cls, value: object) -> SpeculativeConfig:
-        """The `speculative_config` engine option (None, a mapping or a config) -> a
-        config; ValueError naming the key for unknown keys, a missing method or
-        num_speculative_tokens, and bad values."""
+        """The `speculative_config` engine option (None, a mapping, its JSON text as
+        vLLM's command line takes it, or a config) -> a config; ValueError naming the
+        key for unknown keys, a missing method or num_speculative_tokens, and bad
+        values."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                value = None
         if not isinstance(value, Mapping):
-            raise ValueError(f"speculative_config must be a mapping, got {type(value).__name__}")
+            raise ValueError(
+                "speculative_config must be a mapping or its JSON text, e.g. "
+                '{"method": "ngram", "num_speculative_tokens": 4}'
+            )
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [key for key in value if key not in names]
         if unknown:

@@ -147,6 +147,8 @@ def test_speculative_config_option_is_off_by_default_and_parsed_like_vllm():
     only_max = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5}
     assert SpeculativeConfig.from_option(only_max).prompt_lookup_min == 5
     assert SpeculativeConfig.from_option(None) == SpeculativeConfig()
+    as_json = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    assert SpeculativeConfig.from_option(as_json) == SpeculativeConfig("ngram", 4, 3, 3)
 
 
 @pytest.mark.parametrize(
@@ -171,7 +173,8 @@ def test_speculative_config_option_is_off_by_default_and_parsed_like_vllm():
             r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)",
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, "'draft'"),
-        ("ngram", "speculative_config must be a mapping"),
+        ("ngram", "speculative_config must be a mapping or its JSON text"),
+        ("[1, 2]", "speculative_config must be a mapping or its JSON text"),
     ],
 )
 def test_bad_speculative_config_names_the_field(value, message):

@@ -92,6 +92,11 @@ class EngineMetrics:
         self.adapter_load = metrics.Histogram(
             "loraplex_adapter_load_seconds", "Adapter load from disk", LOAD_BUCKETS, keys
         )
+        self.adapter_loads = metrics.Counter(
+            "loraplex_adapter_loads_total",
+            "Adapter loads into a replica, by result ('ok' or 'error')",
+            (*keys, "result"),
+        )
         self.preemptions = metrics.Counter(
             "vllm_num_preemptions_total",
             "Running requests preempted (their KV blocks freed, recomputed later)",
@@ -131,6 +136,25 @@ class EngineMetrics:
         self.adapter_label = BoundedLabel()
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
+        self._export_counters_at_zero()
+
+    def _export_counters_at_zero(self) -> None:
+        """Exports this replica's counters from the start, at 0, as Prometheus advises
+        for known label sets: a counter that appears only at its first event hides that
+        event from `rate()` and `increase()`, so an alert on it (a first refusal, a
+        first failed adapter load) would not fire. Ray's `Counter.inc` refuses 0, so
+        this records through the method `inc` itself records with (Ray is pinned)."""
+        for counter, tags in (
+            (self.prefix_queries, self.tags),
+            (self.prefix_hits, self.tags),
+            (self.prompt_tokens, self.tags),
+            (self.generation_tokens, self.tags),
+            (self.preemptions, self.tags),
+            (self.refused, self.tags),
+            (self.adapter_loads, {**self.tags, "result": "ok"}),
+            (self.adapter_loads, {**self.tags, "result": "error"}),
+        ):
+            counter._record(0.0, tags=tags)
 
     def record_engine(self, stats: dict[str, float]) -> None:
         """Sets gauges from `LLMEngine.stats()` and advances the cumulative counters."""

@@ -188,9 +188,14 @@ class ModelServer:
         if entry is None:
             raise LookupError(f"adapter {model_id!r} is not in the catalog (deleted or replaced)")
         started = time.perf_counter()
-        adapter = await self.engine.load_adapter(
-            str(entry.folder), entry.public_id, entry.root, _pinned_version(entry)
-        )
+        try:
+            adapter = await self.engine.load_adapter(
+                str(entry.folder), entry.public_id, entry.root, _pinned_version(entry)
+            )
+        except Exception:
+            self.metrics.adapter_loads.inc(1, {**self.metrics.tags, "result": "error"})
+            raise
+        self.metrics.adapter_loads.inc(1, {**self.metrics.tags, "result": "ok"})
         self.metrics.adapter_load.observe(time.perf_counter() - started, self.metrics.tags)
         return ResidentAdapter(entry, adapter, self.engine, self._resident_ids)
 

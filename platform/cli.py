@@ -61,7 +61,7 @@ def build_parser(
         "--num-requests",
         type=int,
         default=None,
-        help="requests per run (default: 64; with --speculative, 8 per workload)",
+        help="requests per run (default: 64; --speculative: 8 per workload; --guided: 32)",
     )
     offline.add_argument("--prompt-len", type=int, default=128)
     offline.add_argument("--output-len", type=int, default=64)
@@ -109,7 +109,16 @@ def build_parser(
     offline.add_argument("--prompt-lookup-max", type=int, default=4)
     offline.add_argument("--prompt-lookup-min", type=int, default=2)
     offline.add_argument(
-        "--rounds", type=int, default=2, help="--speculative: A/B rounds per workload"
+        "--guided",
+        action="store_true",
+        help="instead: time one batch unguided, guided by a JSON schema and by a regex, "
+        "alternating, and print each guided run's cost per output token",
+    )
+    offline.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="--speculative / --guided: alternating rounds (default 2 / 3)",
     )
     offline.set_defaults(handler=run_bench_offline)
     for add_command in bench_commands:
@@ -171,6 +180,8 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     }
     if args.speculative is not None:
         return run_spec_bench(args, engine_options)
+    if args.guided:
+        return run_guided_bench(args, engine_options)
     report = bench.run_offline_bench(
         model=args.model,
         dtype=args.dtype,
@@ -206,11 +217,28 @@ def run_spec_bench(args: argparse.Namespace, engine_options: dict[str, object]) 
         num_requests=args.num_requests or 8,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
-        rounds=args.rounds,
+        rounds=args.rounds or 2,
         seed=args.seed,
         engine_options=engine_options,
     )
     sys.stdout.write(spec_bench.format_spec_report(report))
+    return 0
+
+
+def run_guided_bench(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
+    from loraplex.platform import guided_bench
+
+    report = guided_bench.run_guided_bench(
+        model=args.model,
+        dtype=args.dtype,
+        num_requests=args.num_requests or 32,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        rounds=args.rounds or 3,
+        seed=args.seed,
+        engine_options=engine_options,
+    )
+    sys.stdout.write(guided_bench.format_guided_report(report))
     return 0
 
 

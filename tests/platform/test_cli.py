@@ -158,3 +158,13 @@ def test_bench_offline_end_to_end(tiny_model_factory, capsys):
     out = capsys.readouterr().out
     assert "loraplex: 9 tokens" in out and "hf: 9 tokens" in out
     assert "ratio ours/hf:" in out and "loadavg after:" in out
+
+
+def test_bench_offline_guided_end_to_end(tiny_model_factory, capsys):
+    folder = tiny_model_factory("llama", tokenizer="bytes")
+    argv = ["bench", "offline", "--guided", "--model", str(folder), "--dtype", "float32"]
+    argv += ["--num-requests", "2", "--prompt-len", "4", "--output-len", "6", "--rounds", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 requests x 4 prompt tokens -> 6 tokens each" in out
+    assert out.count("the unguided time per output token") == 2

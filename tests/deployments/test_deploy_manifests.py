@@ -1,0 +1,157 @@
+"""What an operator deploys (deploy/): the KubeRay RayService carries serve_config.yaml
+itself, the Docker image installs with the README's script, and every metric a Grafana
+panel or a Prometheus alert queries exists, with the labels the query uses, in the
+metrics a running app exports (scraped from the Ray node's metrics agent, where
+Prometheus scrapes them)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import promql_parser
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy/grafana/loraplex.json"
+ALERTS = ROOT / "deploy/prometheus/alerts.yaml"
+RAYSERVICE = ROOT / "deploy/kuberay/rayservice.yaml"
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model": ".*"}
+
+
+def test_the_rayservice_embeds_serve_config_yaml():
+    render = subprocess.run(
+        [sys.executable, str(ROOT / "deploy/kuberay/render.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert render.returncode == 0, render.stderr
+    service = yaml.safe_load(RAYSERVICE.read_text())
+    embedded = yaml.safe_load(service["spec"]["serveConfigV2"])
+    source = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    assert embedded["applications"] == source["applications"]
+    assert embedded["proxy_location"] == source["proxy_location"]
+    assert embedded["http_options"] == {**source["http_options"], "host": "0.0.0.0"}
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    (container,) = head["containers"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": 8000}, probe
+    from loraplex.deployments.config import ModelDeploymentConfig, ServerOptions
+
+    drain = ModelDeploymentConfig.model_fields["drain_timeout_s"].default
+    graceful = ServerOptions.model_fields["graceful_shutdown_timeout_s"].default
+    groups = [
+        head,
+        *(g["template"]["spec"] for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]),
+    ]
+    for spec in groups:
+        assert spec["terminationGracePeriodSeconds"] >= max(drain, graceful)
+
+
+def test_the_image_installs_with_the_readme_quick_start_script():
+    runs = re.findall(r"^RUN (.+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    installs = [run for run in runs if "install" in run and "apt-get" not in run]
+    assert installs == ["bash scripts/install.sh"]
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme[readme.index("## Quick start") :]
+    commands = re.findall(r"^# 1\..*\n(.+)$", quick_start, re.MULTILINE)
+    assert commands and commands[0].startswith("bash scripts/install.sh && ")
+
+
+def queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every dashboard target and alert rule."""
+    found = []
+    dashboard = json.loads(DASHBOARD.read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for name, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(name, value)
+            found.append((f"panel {panel['title']!r}", expr))
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            found.append((f"alert {rule['alert']}", rule["expr"]))
+    return found
+
+
+def used_metrics(node, labels: frozenset[str] = frozenset()) -> list[tuple[str, frozenset[str]]]:
+    """(metric, labels the query needs on it) for every selector under `node`: its own
+    matchers' labels, and those of every aggregation's `by` and matching's `on` above."""
+    kind = type(node).__name__
+    if kind == "VectorSelector":
+        names = {m.name for m in node.matchers.matchers} - {"__name__"}
+        return [(node.name, labels | names)]
+    if kind == "MatrixSelector":
+        return used_metrics(node.vector_selector, labels)
+    if kind == "AggregateExpr":
+        grouping = set(node.modifier.labels) if node.modifier is not None else set()
+        return used_metrics(node.expr, labels | grouping)
+    if kind == "BinaryExpr":
+        matching = set()
+        if node.modifier is not None and node.modifier.matching is not None:
+            matching = set(node.modifier.matching.labels)
+        return used_metrics(node.lhs, labels | matching) + used_metrics(node.rhs, labels | matching)
+    if kind == "Call":
+        return [pair for arg in node.args for pair in used_metrics(arg, labels)]
+    if kind in ("ParenExpr", "SubqueryExpr", "UnaryExpr"):
+        return used_metrics(node.expr, labels)
+    return []
+
+
+def test_every_query_parses_and_names_its_metrics():
+    for where, expr in queries():
+        metrics = used_metrics(promql_parser.parse(expr))
+        assert metrics, f"{where}: no metric in {expr}"
+
+
+def exported_series(text: str) -> dict[str, set[str]]:
+    """Metric name -> label names seen on its samples, from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series.setdefault(sample.name, set()).update(sample.labels)
+    return series
+
+
+def node_metrics_text() -> str:
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+@pytest.mark.parametrize("tenant", ["acme"])
+def test_every_queried_metric_is_exported_with_the_queried_labels(
+    serve_setup, tenant_client, tenant
+):
+    client = tenant_client(tenant)
+    client.completions.create(model="tiny:sa", prompt=[4, 4, 4], max_tokens=3)
+    client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3)
+    wanted = {}
+    for where, expr in queries():
+        for metric, labels in used_metrics(promql_parser.parse(expr)):
+            wanted.setdefault(metric, (set(), []))
+            wanted[metric][0].update(labels)
+            wanted[metric][1].append(where)
+    deadline = time.monotonic() + 90
+    while True:
+        series = exported_series(node_metrics_text())
+        problems = [
+            f"{metric} (labels {sorted(labels - series.get(metric, set()))}) in {places[0]}"
+            for metric, (labels, places) in sorted(wanted.items())
+            if metric not in series or not labels <= series[metric]
+        ]
+        if not problems or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not problems, "not exported: " + "; ".join(problems)

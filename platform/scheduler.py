@@ -307,6 +307,7 @@ class Scheduler:
             return  # the request failed this step; it ends and frees its blocks
         accepted = len(tokens) - 1
         self.spec_stats.observe(len(item.draft_token_ids), accepted)
+        self.proposer.observe(request.request_id, accepted)
         request.num_computed_tokens += accepted
         self.kv_cache.trim(request, request.num_computed_tokens + 1)
 

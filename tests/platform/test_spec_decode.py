@@ -84,6 +84,16 @@ def test_incremental_index_equals_the_definition(seed):
     assert lookup.num_indexed == 0
 
 
+def test_after_a_miss_the_next_proposal_is_one_draft():
+    lookup = proposer(k=3)
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert lookup.lookup("r", tokens, 3) == [3, 4, 5]
+    lookup.observe("r", 0)
+    assert lookup.lookup("r", tokens, 3) == [3]
+    lookup.observe("r", 1)
+    assert lookup.lookup("r", tokens, 3) == [3, 4, 5]
+
+
 def request(params: SamplingParams, prompt=(1, 2, 3), outputs=(), request_id="r") -> Request:
     req = Request(request_id, list(prompt), params)
     for token in outputs:

@@ -37,6 +37,7 @@ class ChoiceAccumulator:
         self.first_index = first_index
         self.tools = tools
         self.parsers: list[ToolCallParser | None] = [None] * n
+        self._parsers_made = False
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -62,8 +63,10 @@ class ChoiceAccumulator:
         self.cached_tokens = step.cached_tokens
         if step.echo_text is not None:
             self._echo = step.echo_text
-        if self.tools is not None and not any(self._started):
+        if self.tools is not None and not self._parsers_made:
+            # The first step says the model's tool-call format; each choice gets a parser.
             self.parsers = [self.tools.parser(step.tool_call_format) for _ in self.parsers]
+            self._parsers_made = True
         released = []
         for delta in step.deltas:
             i = delta.index

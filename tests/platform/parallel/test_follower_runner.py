@@ -69,9 +69,9 @@ def follow(base) -> tuple[LLM, Follower, list[torch.Tensor]]:
     leader_logits: list[torch.Tensor] = []
     sample = runner.sample
 
-    def recording_sample(logits, requests):
+    def recording_sample(logits, requests, drafts=None):
         leader_logits.append(logits.clone())
-        return sample(logits, requests)
+        return sample(logits, requests, drafts)
 
     runner.sample = recording_sample
     return llm, follower, leader_logits

@@ -552,7 +552,15 @@ class OpenAIIngress:
             raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
         self._record_usage(tenant)
         accumulators = [
-            ChoiceAccumulator(response_id, body.model, chat, n, first_index=i * n, tools=tools)
+            ChoiceAccumulator(
+                response_id,
+                body.model,
+                chat,
+                n,
+                first_index=i * n,
+                tools=tools,
+                echo_logprobs=body.echo_logprobs,
+            )
             for i in range(len(calls))
         ]
         try:

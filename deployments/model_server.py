@@ -45,11 +45,12 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.deployments.admission import AdmissionControl
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
 from loraplex.deployments.config import ModelDeploymentConfig, model_deployment_name
+from loraplex.deployments.logprobs import TokenLogprob, TokenTexts
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics, ProcessMemory
 from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
 from loraplex.platform.failpoints import FAILPOINTS
-from loraplex.platform.request import Logprob, RequestOutput, SamplingParams
+from loraplex.platform.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 STATS_PERIOD_S = 2.0
@@ -94,7 +95,7 @@ class StreamDelta:
     text: str
     num_new_tokens: int
     finish_reason: str | None
-    logprobs: list[Logprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class StreamStep:
     tool_call_format: str | None = None
     """On the first step of a call with tools: the tool-call format of the model's chat
     template ('hermes'), None when it has none."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """On the first step of a call whose params ask for prompt logprobs: every prompt
+    token, the first unscored."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,7 @@ class ModelServer:
         self.engine = AsyncEngine.build(
             engine_config, warm_up=True, messages_per_step=config.stream_messages_per_step
         )
+        self.token_texts = TokenTexts(self.engine.detokenize)
         self.catalog = AdapterCatalog(adapter_root, {config.name: dict(config.adapters)})
         replica = serve.get_replica_context().replica_id.unique_id if _in_serve() else "local"
         self.metrics = EngineMetrics(config.name, replica)
@@ -285,7 +290,7 @@ class ModelServer:
             yield GenerateError(503, refusal.message, retry_after_s=refusal.retry_after_s)
             return
         first_token_s = None
-        tracker = DeltaTracker(call.params.n)
+        tracker = DeltaTracker(call.params.n, self.token_texts)
         prompt_tokens = 0
         try:
             lora = await self._adapter_for_call()
@@ -406,7 +411,9 @@ class DeltaTracker:
         """Tokens generated so far over every completion."""
         return sum(self._tokens)
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, texts: TokenTexts) -> None:
+        self.texts = texts
+        self._prompt_sent = False
         self.worst_case_tokens = 0
         self._text = [0] * n
         self._tokens = [0] * n
@@ -428,7 +435,17 @@ class DeltaTracker:
             self._tokens[i] = len(completion.token_ids)
             self._logprobs[i] += len(logprobs)
             self._finished[i] = completion.finish_reason is not None
-            deltas.append(StreamDelta(i, text, new_tokens, completion.finish_reason, logprobs))
+            entries = self.texts.entries(logprobs)
+            deltas.append(StreamDelta(i, text, new_tokens, completion.finish_reason, entries))
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and not self._prompt_sent and deltas:
+            self._prompt_sent = True
+            prompt = output.prompt_token_ids
+            prompt_logprobs = self.texts.prompt_entries(prompt, output.prompt_logprobs)
         return StreamStep(
-            len(output.prompt_token_ids), deltas, self.worst_case_tokens, output.num_cached_tokens
+            len(output.prompt_token_ids),
+            deltas,
+            self.worst_case_tokens,
+            output.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )

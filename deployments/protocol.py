@@ -22,7 +22,7 @@ from loraplex.deployments.catalog import ADAPTER_NAME
 from loraplex.deployments.tool_calls import ToolCalling
 from loraplex.platform.failpoints import NAMES as FAILPOINT_NAMES
 from loraplex.platform.guided import GuidedSpec
-from loraplex.platform.request import SamplingParams
+from loraplex.platform.request import MAX_LOGPROBS, SamplingParams
 
 INT32_MAX = 2**31 - 1
 
@@ -171,8 +171,31 @@ class SamplingFields(IgnoredFields):
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each prompt token's logprob, rank and top k alternatives (not with stream)",
+    )
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingFields:
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not available with stream=true")
+        return self
+
+    @property
+    def scored_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's logprob carries; None: the prompt
+        is not scored."""
+        return self.prompt_logprobs
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The choices' logprobs start with the prompt's (completions' echo)."""
+        return False
 
     def guided_spec(self) -> GuidedSpec | None:
         """What the output must spell (`structured_outputs` or `response_format`; not
@@ -218,6 +241,7 @@ class SamplingFields(IgnoredFields):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=self.scored_prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
             logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
@@ -251,9 +275,18 @@ class CompletionRequest(SamplingFields):
     def _batch_size(self) -> CompletionRequest:
         if len(self.prompts) > MAX_PROMPTS:
             raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (the prompt's logprobs) is not supported")
         return self
+
+    @property
+    def echo_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
+
+    @property
+    def scored_prompt_logprobs(self) -> int | None:
+        """`prompt_logprobs`, or with `echo` and `logprobs`, `logprobs` (vLLM's rule)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo_logprobs else None
 
 
 class TextPart(StrictModel):

@@ -436,6 +436,8 @@ class LLMEngine:
         except AdapterActivationError as exc:
             logger.error("%s; failing its requests", exc)
             return self._fail_adapter(output, exc)
+        for request_id, logprobs in result.prompt_logprobs.items():
+            self.scheduler.requests[request_id].prompt_logprobs.extend(logprobs)
         updated = self.scheduler.update(output, result.sampled, result.failed)
         for request in updated:
             if request.failure is not None:

@@ -8,6 +8,10 @@ With LoRA, the step's adapters are made resident in device slots first, and deco
 and prefill chunks are each ordered by slot so every adapter's tokens are contiguous
 (one segment per adapter and kind; see kernels/lora.py).
 
+A request asking for prompt logprobs also has the positions of its chunk that score
+prompt tokens listed (platform/prompt_logprobs.py); their logits are computed slice by
+slice after the sampling rows' and reduced to logprobs at once.
+
 A speculating decode (platform/spec_decode.py) is a chunk of its newest token and its
 drafts, placed with the prefill chunks, and samples at every one of its positions;
 the drafts are verified against those tokens and the request gets the accepted drafts
@@ -50,6 +54,13 @@ from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.guided import GuidedState
 from loraplex.platform.kv_cache import copy_blocks
+from loraplex.platform.prompt_logprobs import (
+    PromptRows,
+    PromptScores,
+    book_scores,
+    positions_to_score,
+    score_rows,
+)
 from loraplex.platform.request import Logprob, Request, RequestFailure
 from loraplex.platform.sampler import Sampler, SamplerOutput, SamplingBatch
 from loraplex.platform.scheduler import ScheduledRequest, SchedulerOutput
@@ -73,6 +84,8 @@ class StepResult:
     speculating decode the accepted drafts and the bonus token"""
     failed: dict[str, RequestFailure] = field(default_factory=dict)
     """request id -> why it got no token (only that request ends)"""
+    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    """request id -> the prompt tokens' Logprobs its chunk scored, in order"""
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,17 @@ class StepInputs:
     slot_writes: tuple[tuple[int, LoRAAdapter], ...]
     """(slot, adapter) written into rank 0's LoRA slots while this step was prepared;
     the other ranks write them into their shards' slots before running it."""
+    prompt_rows: PromptRows | None = None
+    """The step's tokens whose logits score prompt tokens (None: no request asked)."""
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What one rank's forward gives back: the sampling rows' float32 logits [R, vocab]
+    (None when no row samples) and the prompt rows' scores (None when none)."""
+
+    sample: torch.Tensor | None = None
+    prompt: PromptScores | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +130,9 @@ class PreparedStep:
     has 1 + d consecutive rows, one per query position)."""
     drafts: dict[str, list[int]] = field(default_factory=dict)
     """request id -> the drafts its rows verify (speculating requests only)."""
+    prompt_owners: list[tuple[Request, range]] = field(default_factory=list)
+    """Whose prompt rows `inputs.prompt_rows` holds, in row order, and the positions
+    each scores."""
 
 
 class StepFollowers(Protocol):
@@ -155,30 +182,37 @@ class ModelRunner:
                 self._lead(self.prepare_inputs(SchedulerOutput([], output.block_copies)).inputs)
             raise
         logits = self._lead(step.inputs)
-        if logits is None:
-            return StepResult()
-        return self.sample(logits, step.sample_requests, step.drafts)
+        result = StepResult()
+        if logits.sample is not None:
+            result = self.sample(logits.sample, step.sample_requests, step.drafts)
+        if logits.prompt is not None:
+            _book_prompt_scores(result, logits.prompt, step.prompt_owners)
+        return result
 
-    def _lead(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _lead(self, inputs: StepInputs) -> StepLogits:
         """Rank 0: hands `inputs` to the other ranks, then runs them (see `run`)."""
         if self.workers is not None:
             self.workers.send(inputs)
         return self.run(inputs)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+    def run(self, inputs: StepInputs) -> StepLogits:
         """Runs one step on this rank's shard, as every rank does: the block copies, the
         forward (whose collectives pair with the other ranks'), then the logits of the
-        sampling rows: float32 [R, vocab], or None when no row samples."""
+        sampling rows and the scores of the prompt rows."""
         copy_blocks(self.kv_caches, inputs.block_copies)
         if not inputs.input_ids.numel():
-            return None
+            return StepLogits()
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
         )
-        if not inputs.sample_rows.numel():
-            return None
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        sample = None
+        if inputs.sample_rows.numel():
+            sample = self.model.compute_logits(hidden[inputs.sample_rows])
+        prompt = None
+        if inputs.prompt_rows is not None:
+            prompt = score_rows(self.model.compute_logits, hidden, inputs.prompt_rows)
+        return StepLogits(sample, prompt)
 
     def write_slots(self, writes: Sequence[tuple[int, LoRAAdapter]]) -> None:
         """Writes each (slot, adapter) into this rank's LoRA slots: a worker's share of
@@ -309,10 +343,19 @@ class ModelRunner:
         sample_requests: list[Request] = []
         size = self.block_size
         drafts: dict[str, list[int]] = {}
+        prompt_owners: list[tuple[Request, range]] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
         for item in decodes + prefills:
             request = item.request
             start = request.num_computed_tokens
             stop = start + item.num_query_tokens
+            scored = positions_to_score(request, start, item.num_tokens)
+            if scored:
+                offset = len(token_ids) - start
+                prompt_owners.append((request, scored))
+                prompt_rows.extend(offset + p for p in scored)
+                prompt_targets.extend(request.prompt_token_ids[p + 1] for p in scored)
             token_ids.extend(request.all_token_ids[start : start + item.num_tokens])
             token_ids.extend(item.draft_token_ids)
             token_slots.extend([slot(item)] * item.num_query_tokens)
@@ -358,8 +401,37 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
             block_copies=tuple(output.block_copies),
             slot_writes=tuple(slot_writes),
+            prompt_rows=_prompt_rows(prompt_owners, prompt_rows, prompt_targets, device),
         )
-        return PreparedStep(inputs, sample_requests, drafts)
+        return PreparedStep(inputs, sample_requests, drafts, prompt_owners)
+
+
+def _prompt_rows(
+    owners: list[tuple[Request, range]],
+    rows: list[int],
+    targets: list[int],
+    device: torch.device,
+) -> PromptRows | None:
+    if not rows:
+        return None
+    return PromptRows(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        targets=torch.tensor(targets, dtype=torch.int64, device=device),
+        top_k=max(request.sampling_params.prompt_logprobs or 0 for request, _ in owners),
+    )
+
+
+def _book_prompt_scores(
+    result: StepResult, scores: PromptScores, owners: list[tuple[Request, range]]
+) -> None:
+    """Adds the step's prompt Logprobs to `result`; a request whose prompt logits were
+    not finite fails instead (and keeps no token it sampled this step)."""
+    booked, broken = book_scores(scores, owners)
+    result.prompt_logprobs.update(booked)
+    for request in broken:
+        logger.warning("request %s: non-finite logits at a prompt position", request.request_id)
+        result.sampled.pop(request.request_id, None)
+        result.failed[request.request_id] = _non_finite(request)
 
 
 def _row_failure(request: Request, sampled: SamplerOutput, row: int) -> RequestFailure | None:

@@ -115,4 +115,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=head.num_cached_prompt_tokens,
             error=next((m.failure for m in group.members if m.failure is not None), None),
+            prompt_logprobs=[None, *head.prompt_logprobs]
+            if head.sampling_params.prompt_logprobs is not None
+            else None,
         )

@@ -21,6 +21,9 @@ SEED_MIN = -(2**63)
 SEED_LIMIT = 2**64
 """Seeds are 64-bit: OpenAI's signed range and the generator's unsigned one."""
 
+MAX_LOGPROBS = 20
+"""The most top alternatives `logprobs` and `prompt_logprobs` may ask for."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -30,7 +33,11 @@ class SamplingParams:
     disable theirs. Penalties follow the OpenAI (presence, frequency: additive, over
     generated tokens) and HF (repetition: multiplicative, over prompt + generated)
     conventions. `seed` makes sampling reproducible per request. `logprobs=k` returns the
-    sampled token's log-probability plus the top k alternatives at each step.
+    sampled token's log-probability plus the top k alternatives at each step;
+    `prompt_logprobs=k` returns, for every prompt token after the first, its
+    log-probability given the tokens before it, its rank and the top k alternatives
+    (raw model log-softmax, as vLLM; the prompt is then computed in full, without
+    prefix-cache hits).
     `logit_bias` adds a bias in [-100, 100] to the raw logits of token ids (a mapping or
     (id, bias) pairs; kept as pairs sorted by id). `min_tokens`: until this many tokens
     were generated, EOS and `stop_token_ids` cannot be sampled and stop strings are not
@@ -53,6 +60,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -87,8 +95,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.seed is not None and not SEED_MIN <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_LIMIT}), got {self.seed}")
 
@@ -160,11 +170,14 @@ def child_seed(seed: int, index: int) -> int:
 
 @dataclass(frozen=True)
 class Logprob:
-    """Log-probability of the sampled token and the top alternatives at one step."""
+    """Log-probability of one token (sampled, or a prompt token given the ones before
+    it) and the top alternatives at its position, best first. `rank`: 1 + how many
+    tokens were more likely (prompt tokens only; None for sampled ones)."""
 
     token_id: int
     logprob: float
     top: dict[int, float]
+    rank: int | None = None
 
 
 @dataclass(eq=False)
@@ -201,6 +214,10 @@ class Request:
     failure: RequestFailure | None = None
     grammar: GuidedState | None = None
     """The parse state of a guided request, its own per completion; None unguided."""
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
+    """With `prompt_logprobs`: entry i is prompt token i + 1's, booked as the chunks
+    holding the positions before them are computed (each position once, whatever
+    preemptions recompute)."""
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -219,6 +236,17 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some are not computed yet: its prompt must be
+        computed by the model, not taken from the prefix cache. Child 0 of a group
+        books them (its siblings fork its KV once its prompt is done)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -272,6 +300,9 @@ class RequestOutput:
     error: RequestFailure | None = None
     """Set when the engine ended the request early (its completions finish with
     "error"); the other requests of the batch were not affected."""
+    prompt_logprobs: list[Logprob | None] | None = None
+    """With `prompt_logprobs`: one entry per prompt token, None for the first (nothing
+    precedes it); complete from the first output that carries a generated token."""
 
     @property
     def token_ids(self) -> list[int]:

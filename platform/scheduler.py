@@ -6,6 +6,9 @@ then waiting requests while the token budget, `max_num_seqs` and free KV blocks 
 When a running request cannot get a block, the lowest-ranked running request is
 preempted: its blocks are freed and it later recomputes prompt + generated tokens.
 
+A request asking for prompt logprobs takes no prefix-cache hit until every prompt
+token was scored (cached K/V gives no logits to score them with).
+
 n > 1 sampling: child 0 of a group computes the prompt; its siblings wait outside the
 queues and fork child 0's blocks the step its first token is sampled.
 
@@ -210,7 +213,9 @@ class Scheduler:
             if key is not None and key not in adapters and len(adapters) >= self.max_loras:
                 slot_blocked = True
                 continue
-            cached = self.kv_cache.find_cached_prefix(request)
+            cached = (
+                [] if request.needs_prompt_logprobs else self.kv_cache.find_cached_prefix(request)
+            )
             num_new = request.num_tokens - len(cached) * self.kv_cache.block_size
             if chunked:
                 num_new = min(num_new, budget)

@@ -24,6 +24,8 @@ SAMPLING_FIELDS = {
     "frequency_penalty": st.one_of(st.floats(-2, 2), ANY_NUMBER),
     "repetition_penalty": st.one_of(st.floats(0.1, 10), ANY_NUMBER),
     "logprobs": st.one_of(st.none(), st.integers(0, 5), ANY_NUMBER),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(0, 3), ANY_NUMBER),
+    "echo": st.one_of(st.booleans(), st.none()),
     "stop": st.one_of(st.none(), st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5)),
     "prompt": st.one_of(
         st.text(max_size=20),

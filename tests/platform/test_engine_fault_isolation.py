@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -93,6 +94,27 @@ def test_non_finite_logits_fail_only_the_adapter_that_made_them(setup):
     # reading the NaN blocks, and nobody else could reach them anyway (adapter key).
     again = run(llm, [PROMPTS[0]], GREEDY, [str(blowup)])[0]
     assert again.error is not None and again.num_cached_tokens == 0
+
+
+def test_non_finite_prompt_logits_fail_the_scored_request_before_it_samples(setup):
+    """A prompt chunk that samples nothing still checks the logits it scores: the broken
+    adapter's request ends with a client fault and books no NaN logprob."""
+    base, good, blowup = setup
+    llm = make_llm(base, max_num_batched_tokens=8, enable_chunked_prefill=True)
+    scored = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    long_prompt = list(range(30, 50))
+    outputs = run(
+        llm, [long_prompt, long_prompt, PROMPTS[1]], scored, [str(blowup), str(good), None]
+    )
+    failed = outputs[0]
+    assert failed.error is not None and failed.error.client_fault
+    assert "non-finite" in failed.error.message and "blowup" in failed.error.message
+    assert failed.outputs[0].token_ids == []
+    assert all(math.isfinite(entry.logprob) for entry in failed.prompt_logprobs[1:])
+    assert len(failed.prompt_logprobs) < len(long_prompt), "it failed at its first chunk"
+    for output in outputs[1:]:
+        assert output.error is None
+        assert all(math.isfinite(entry.logprob) for entry in output.prompt_logprobs[1:])
 
 
 def test_an_adapter_that_cannot_take_a_slot_fails_only_its_requests(setup, monkeypatch):

@@ -14,12 +14,13 @@ import torch
 from loraplex.adapters.slots import LoRASlots
 from loraplex.platform.kv_cache import allocate_kv_caches
 from loraplex.platform.llm import LLM
-from loraplex.platform.model_runner import ModelRunner, StepInputs
+from loraplex.platform.model_runner import ModelRunner, StepInputs, StepLogits
 from loraplex.platform.models.registry import load_model
 from loraplex.platform.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 FORKED = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2)
+SCORED = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
 
 
 class Follower:
@@ -41,7 +42,7 @@ class Follower:
         )
         self.runner = ModelRunner(model, kv_caches, config.cache.block_size, engine.device, slots)
         self.received: list[StepInputs] = []
-        self.logits: list[torch.Tensor | None] = []
+        self.logits: list[StepLogits] = []
 
     def send(self, inputs: StepInputs) -> None:
         inputs = pickle.loads(pickle.dumps(inputs))
@@ -87,12 +88,17 @@ def test_a_follower_runs_every_step_as_rank_0_does(setup):
     llm, follower, leader_logits = follow(base)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [1, 2, 3, 4, 5, 6], [20, 21]]
     adapters = [None, str(good), str(other), str(good)]
-    outputs = llm.generate(prompts, [FORKED, GREEDY, GREEDY, FORKED], adapters)
+    outputs = llm.generate(prompts, [FORKED, SCORED, GREEDY, FORKED], adapters)
     assert all(o.error is None for o in outputs)
-    sampled = [logits for logits in follower.logits if logits is not None]
+    sampled = [logits.sample for logits in follower.logits if logits.sample is not None]
     assert len(sampled) == len(leader_logits) == len(follower.received)
     for theirs, ours in zip(sampled, leader_logits, strict=True):
         assert torch.equal(theirs, ours)
+    # The prompt rows travel too: the follower scores the leader's prompt tokens.
+    scores = [logits.prompt for logits in follower.logits if logits.prompt is not None]
+    assert [round(v, 5) for s in scores for v in s.logprob.tolist()] == [
+        round(entry.logprob, 5) for entry in outputs[1].prompt_logprobs[1:]
+    ]
     assert_same_state(llm, follower)
     # The scenario covers what travels besides the tokens: forks' copy-on-write copies
     # and slot writes (one slot for two adapters: written again as they alternate).

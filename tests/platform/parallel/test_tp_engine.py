@@ -19,7 +19,7 @@ from loraplex.platform.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 DEMO = Path(__file__).resolve().parents[3] / "adapters" / "demo"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,20 @@ def ray_cluster():
         ray.shutdown()
 
 
-def generate(llm: LLM, prompts, adapters) -> list[list[int]]:
-    return [o.token_ids for o in llm.generate(prompts, GREEDY, adapters)]
+def generate(llm: LLM, prompts, adapters) -> tuple[list[list[int]], list]:
+    """Token ids, and the prompt logprobs (compared approximately)."""
+    outputs = llm.generate(prompts, GREEDY, adapters)
+    scores = [[(e.token_id, e.logprob) for e in o.prompt_logprobs[1:]] for o in outputs]
+    return [o.token_ids for o in outputs], scores
+
+
+def assert_same_prompt_scores(want: list, got: list) -> None:
+    """Prompt logprobs of both sizes: same tokens, logprobs within fp32 noise (the
+    sharded vocabulary is gathered across ranks before the log-softmax)."""
+    assert len(want) == len(got)
+    for ours, theirs in zip(want, got, strict=True):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        assert [v for _, v in ours] == pytest.approx([v for _, v in theirs], abs=1e-4)
 
 
 def both_sizes(model: str, adapters: dict[str, Path], prompts, request_adapters, **options):
@@ -47,7 +59,8 @@ def both_sizes(model: str, adapters: dict[str, Path], prompts, request_adapters,
         try:
             for name, folder in adapters.items():
                 llm.register_adapter(name, str(folder))
-            results[size] = (generate(llm, prompts, request_adapters), llm.engine.shard_memory())
+            tokens, scores = generate(llm, prompts, request_adapters)
+            results[size] = (tokens, llm.engine.shard_memory(), scores)
         finally:
             llm.engine.shutdown()
     return results
@@ -73,6 +86,7 @@ def test_default_model_with_demo_adapters(ray_cluster):
         num_blocks_override=64,
     )
     assert results[2][0] == results[1][0]
+    assert_same_prompt_scores(results[1][2], results[2][2])
     assert results[1][0][0] != results[1][0][2], "the adapter should change the answer"
     (single,), (rank0, rank1) = results[1][1], results[2][1]
     logger.info("per-rank memory TP=1: %s; TP=2: %s, %s", single, rank0, rank1)
@@ -118,6 +132,7 @@ def test_replicated_kv_head_with_mixed_adapters(
         max_num_batched_tokens=24,
     )
     assert results[2][0] == results[1][0]
+    assert_same_prompt_scores(results[1][2], results[2][2])
     (single,), (rank0, rank1) = results[1][1], results[2][1]
     # One kv head cannot be split: each rank keeps a full copy of the (small) KV.
     assert rank0.kv_cache_bytes == rank1.kv_cache_bytes == single.kv_cache_bytes

@@ -16,31 +16,44 @@ from loraplex.deployments.config import (
 )
 from loraplex.deployments.ingress import OVERLOAD_RETRY_AFTER_S, OpenAIIngress
 from loraplex.deployments.model_server import ModelServer
+from loraplex.deployments.placement import check_placement
 
 
-def rank_bundles(config: ModelDeploymentConfig) -> dict[str, Any]:
-    """Serve placement-group options of a tensor-parallel model: one bundle per rank,
-    the replica (rank 0) in bundle 0 and worker r in bundle r (parallel/workers.py);
-    nothing for one rank."""
+def replica_bundles(config: ModelDeploymentConfig) -> list[dict[str, float]]:
+    """What one replica reserves: one bundle per rank, the replica (rank 0) in bundle 0 and
+    worker r in bundle r (parallel/workers.py); one bundle for one rank."""
     parallel = config.engine_config().parallel
-    size = parallel.tensor_parallel_size
-    if size == 1:
-        return {}
     server = config.server
 
     def bundle(cpus: float) -> dict[str, float]:
         resources = {"CPU": cpus, "GPU": server.num_gpus}
         return {name: amount for name, amount in resources.items() if amount > 0}
 
+    workers = [bundle(parallel.worker_num_cpus)] * (parallel.tensor_parallel_size - 1)
+    return [bundle(server.num_cpus), *workers]
+
+
+def rank_bundles(config: ModelDeploymentConfig) -> dict[str, Any]:
+    """Serve placement-group options of a tensor-parallel model (`replica_bundles`);
+    nothing for one rank."""
+    bundles = replica_bundles(config)
+    if len(bundles) == 1:
+        return {}
     return {
-        "placement_group_bundles": [bundle(server.num_cpus)]
-        + [bundle(parallel.worker_num_cpus)] * (size - 1),
-        "placement_group_strategy": server.placement_group_strategy,
+        "placement_group_bundles": bundles,
+        "placement_group_strategy": config.server.placement_group_strategy,
     }
+
+
+def spread(config: ModelDeploymentConfig) -> dict[str, Any]:
+    """Serve's `max_replicas_per_node` when the config sets it."""
+    limit = config.server.max_replicas_per_node
+    return {} if limit is None else {"max_replicas_per_node": limit}
 
 
 def bind_model_server(config: ModelDeploymentConfig, adapter_root: str) -> Application:
     server = config.server
+    check_placement(config.name, replica_bundles(config), server.placement_group_strategy)
     scaling: dict[str, Any] = (
         {"autoscaling_config": server.autoscaling_config}
         if server.autoscaling_config is not None
@@ -51,6 +64,7 @@ def bind_model_server(config: ModelDeploymentConfig, adapter_root: str) -> Appli
         name=model_deployment_name(config.name),
         ray_actor_options={"num_cpus": server.num_cpus, "num_gpus": server.num_gpus},
         **rank_bundles(config),
+        **spread(config),
         max_ongoing_requests=server.max_ongoing_requests,
         max_queued_requests=server.max_queued_requests,
         health_check_period_s=server.health_check_period_s,

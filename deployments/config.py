@@ -51,6 +51,13 @@ class ServerOptions(StrictConfig):
         "STRICT_PACK",
         description="how a tensor-parallel replica's bundles (one per rank) are placed",
     )
+    max_replicas_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="at most this many replicas of the model on one Ray node (Serve's "
+        "option): 1 spreads replicas over nodes, so losing a node loses one replica; "
+        "not with tensor_parallel_size > 1 (Serve refuses it with placement groups)",
+    )
 
 
 class ModelDeploymentConfig(StrictConfig):
@@ -113,6 +120,16 @@ class ModelDeploymentConfig(StrictConfig):
             self.engine_config()
         except TypeError as exc:
             raise ValueError(f"model {self.name!r}: bad engine option ({exc})") from None
+        return self
+
+    @model_validator(mode="after")
+    def _spread_without_placement_groups(self) -> ModelDeploymentConfig:
+        size = self.engine_config().parallel.tensor_parallel_size
+        if self.server.max_replicas_per_node is not None and size > 1:
+            raise ValueError(
+                f"model {self.name!r}: server.max_replicas_per_node cannot be set with "
+                f"tensor_parallel_size {size} (Ray Serve refuses it for placement groups)"
+            )
         return self
 
     def engine_config(self) -> EngineConfig:

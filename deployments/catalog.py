@@ -8,10 +8,12 @@ Two kinds of adapter:
 
 Tenant registrations live in `<adapter_root>/.catalog.json`, written atomically under
 a file lock, so every ingress and model-server replica (on any node that mounts the
-root) reads the same catalog; a replica re-reads it when its mtime changes. Each entry
-has a version that grows on every register / unload, and the Serve multiplexed model id
-(`AdapterEntry.model_id`) includes it: a re-registered or unloaded adapter gets a new
-id, so no replica serves a stale copy under the current name.
+root at the same path) reads the same catalog; a replica re-reads it when its mtime
+changes. A node that lacks the shared root says so in its log (a root it had to create,
+a tenant adapter asked for where no catalog exists). Each entry has a version that grows
+on every register / unload, and the Serve multiplexed model id (`AdapterEntry.model_id`)
+includes it: a re-registered or unloaded adapter gets a new id, so no replica serves a
+stale copy under the current name.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import errno
 import json
 import logging
 import os
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -88,6 +91,14 @@ class AdapterCatalog:
     def __init__(self, root: str | Path, shared: dict[str, dict[str, str]]) -> None:
         """`shared`: base model -> {adapter name -> folder} from the config."""
         self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            logger.warning(
+                "adapter root %s did not exist on this node (%s); creating it empty "
+                "(expected on a first start; on a cluster every node must mount the same "
+                "shared folder here, or tenant adapters registered elsewhere are not found)",
+                self.root,
+                socket.gethostname(),
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         self._file = self.root / CATALOG_FILE
         self._lock = FileLock(str(self.root / (CATALOG_FILE + ".lock")))
@@ -155,6 +166,14 @@ class AdapterCatalog:
         entry = (
             self.find_shared(base, name) if owner == SHARED else self.find_tenant(owner, base, name)
         )
+        if entry is None and owner != SHARED and self._mtime is None:
+            logger.warning(
+                "tenant adapter %s asked for, but this node (%s) sees no catalog %s: is the "
+                "shared adapter root mounted here?",
+                model_id,
+                socket.gethostname(),
+                self._file,
+            )
         return entry if entry is not None and entry.model_id == model_id else None
 
     def tenant_root(self, tenant: str) -> Path:

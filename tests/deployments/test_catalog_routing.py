@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -51,6 +52,38 @@ def test_a_second_catalog_instance_sees_registrations(catalog):
     other = AdapterCatalog(catalog.root, {})
     catalog.register("acme", "m1", "mine", "mine", max_adapters=4)
     assert [e.name for e in other.tenant_entries("acme")] == ["mine"]
+
+
+class Records(logging.Handler):
+    """The catalog's warnings, caught at its own logger (a replica built in this process
+    stops `loraplex.*` records from reaching the root logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def catalog_warnings():
+    logger = logging.getLogger("loraplex.deployments.catalog")
+    records = Records()
+    logger.addHandler(records)
+    yield records.messages
+    logger.removeHandler(records)
+
+
+def test_a_node_without_the_shared_root_says_so(catalog, tmp_path, catalog_warnings):
+    entry = catalog.register("acme", "m1", "mine", "mine", max_adapters=4)
+    assert AdapterCatalog(catalog.root, {}).by_model_id("m1", entry.model_id) == entry
+    assert catalog_warnings == []
+    unmounted = AdapterCatalog(tmp_path / "not-mounted", {})
+    assert unmounted.by_model_id("m1", entry.model_id) is None
+    root_missing, no_catalog = catalog_warnings
+    assert f"adapter root {tmp_path / 'not-mounted'} did not exist" in root_missing
+    assert f"{entry.model_id} asked for" in no_catalog and "mounted here" in no_catalog
 
 
 @pytest.mark.parametrize(

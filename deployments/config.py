@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from loraplex.adapters.peft_format import CONFIG_NAME
 from loraplex.deployments.catalog import ADAPTER_NAME
 from loraplex.deployments.tenants import OperatorConfig, TenantConfig
-from loraplex.platform.config import EngineConfig
+from loraplex.platform.config import SPECULATIVE_OPTION, EngineConfig
 from loraplex.platform.model_files import cache_root
 
 
@@ -60,13 +60,19 @@ class ServerOptions(StrictConfig):
     )
 
 
+EngineOptionValue = int | float | str | bool | None | dict[str, int | float | str | bool]
+"""An engine option's value in the serve config: a scalar, or a flat mapping (the one
+mapping option is `speculative_config`, also accepted as its JSON text)."""
+
+
 class ModelDeploymentConfig(StrictConfig):
     """One base model: its public name, its weights and its engine options."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="public model id")
     model: str | None = Field(None, description="registered name or HF folder; default: name")
-    engine: dict[str, int | float | str | bool | None] = Field(
-        default_factory=dict, description="options of EngineConfig.from_options"
+    engine: dict[str, EngineOptionValue] = Field(
+        default_factory=dict,
+        description="options of EngineConfig.from_options (speculative_config: a mapping)",
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="wait for in-flight requests on stop")
     stream_messages_per_step: int = Field(
@@ -93,6 +99,17 @@ class ModelDeploymentConfig(StrictConfig):
         description="shared LoRA adapters of this base: name -> PEFT adapter folder",
     )
     server: ServerOptions = Field(default_factory=ServerOptions)
+
+    @field_validator("engine")
+    @classmethod
+    def _one_mapping_option(cls, engine: dict[str, EngineOptionValue]) -> dict:
+        for key, value in engine.items():
+            if isinstance(value, dict) and key != SPECULATIVE_OPTION:
+                raise ValueError(
+                    f"engine.{key} takes a scalar, not a mapping "
+                    f"(only {SPECULATIVE_OPTION} is a mapping)"
+                )
+        return engine
 
     @field_validator("adapters")
     @classmethod

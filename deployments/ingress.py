@@ -215,13 +215,11 @@ def _card(entry: AdapterEntry) -> AdapterCard:
     )
 
 
-def _ip() -> str:
-    return ray.util.get_node_ip_address()
-
-
 def _node_metrics_text() -> str:
-    """This node's Ray metrics agent's Prometheus text (blocking)."""
-    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == _ip())
+    """This node's Ray metrics agent's Prometheus text (blocking). The node is found by
+    id: nodes may share an address (several on one machine)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
     url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read().decode()

@@ -42,7 +42,8 @@ def _parent(pid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
-def _descendants(root: int) -> set[int]:
+def descendants(root: int) -> set[int]:
+    """Every live process under `root` (children, their children, ...)."""
     children: dict[int, list[int]] = {}
     for entry in PROC.iterdir():
         if entry.name.isdigit():
@@ -61,7 +62,7 @@ def find(title: str, under: int | None = None) -> list[Process]:
     method an actor is running (`ray::ServeController.listen_for_change`); only
     descendants of `under` when given; oldest pid first."""
     pids = (
-        _descendants(under)
+        descendants(under)
         if under is not None
         else {int(e.name) for e in PROC.iterdir() if e.name.isdigit()}
     )

@@ -7,7 +7,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import BackpressureConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from loraplex.deployments.config import (
     ModelDeploymentConfig,
@@ -17,6 +17,7 @@ from loraplex.deployments.config import (
 from loraplex.deployments.ingress import OVERLOAD_RETRY_AFTER_S, OpenAIIngress
 from loraplex.deployments.model_server import ModelServer
 from loraplex.deployments.placement import check_placement
+from loraplex.deployments.request_router import ROUTING_STATS_PERIOD_S, ResidencyRouter
 
 
 def replica_bundles(config: ModelDeploymentConfig) -> list[dict[str, float]]:
@@ -69,6 +70,10 @@ def bind_model_server(config: ModelDeploymentConfig, adapter_root: str) -> Appli
         max_queued_requests=server.max_queued_requests,
         health_check_period_s=server.health_check_period_s,
         graceful_shutdown_timeout_s=server.graceful_shutdown_timeout_s,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ResidencyRouter,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        ),
         **scaling,
     )
     return deployment.bind(config, adapter_root)

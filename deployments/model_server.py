@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,19 +138,19 @@ class ResidentAdapter:
         entry: AdapterEntry,
         adapter: LoRAAdapter,
         engine: AsyncEngine,
-        resident_ids: set[str],
+        resident_keys: dict[str, bytes],
     ) -> None:
         self.entry = entry
         self.adapter = adapter
         self._engine: AsyncEngine | None = engine
-        self._resident_ids = resident_ids
-        resident_ids.add(entry.model_id)
+        self._resident_keys = resident_keys
+        resident_keys[entry.model_id] = adapter.key
 
     def __del__(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.evict_adapter(self.entry.folder, _pinned_version(self.entry))
-            self._resident_ids.discard(self.entry.model_id)
+            self._resident_keys.pop(self.entry.model_id, None)
 
 
 def _pinned_version(entry: AdapterEntry) -> int | None:
@@ -181,7 +182,9 @@ class ModelServer:
         self._resident = serve.multiplexed(
             max_num_models_per_replica=max(engine_config.lora.max_cpu_loras, 1)
         )(load_resident)
-        self._resident_ids: set[str] = set()
+        self._resident_keys: dict[str, bytes] = {}
+        """Multiplexed model id -> adapter key of every adapter this replica holds."""
+        self._requests_by_model_id: Counter[str] = Counter()
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_stats, daemon=True)
         self._reporter.start()
@@ -202,10 +205,11 @@ class ModelServer:
             raise
         self.metrics.adapter_loads.inc(1, {**self.metrics.tags, "result": "ok"})
         self.metrics.adapter_load.observe(time.perf_counter() - started, self.metrics.tags)
-        return ResidentAdapter(entry, adapter, self.engine, self._resident_ids)
+        return ResidentAdapter(entry, adapter, self.engine, self._resident_keys)
 
     async def _adapter_for_call(self) -> LoRAAdapter | None:
         model_id = serve.get_multiplexed_model_id() if _in_serve() else ""
+        self._requests_by_model_id[model_id] += 1
         if not model_id:
             return None
         return (await self._resident(model_id)).adapter
@@ -269,12 +273,24 @@ class ModelServer:
             )
         return worst
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Where this replica's adapters sit, for the request router
+        (deployments/request_router.py; Serve polls it): the multiplexed model ids in
+        device slots and in host memory, and the requests per model id it has served."""
+        in_slots = self.engine.device_adapter_keys()
+        resident = dict(self._resident_keys)
+        return {
+            "device": sorted(m for m, key in resident.items() if key in in_slots),
+            "host": sorted(resident),
+            "requests": dict(self._requests_by_model_id),
+        }
+
     def replica_info(self) -> dict:
         """This replica's id, resident adapters and engine state (tests, debugging)."""
         snapshot = self.engine.snapshot()
         return {
             "replica": self.metrics.tags["replica"],
-            "resident_model_ids": sorted(self._resident_ids),
+            "resident_model_ids": sorted(self._resident_keys),
             "pid": os.getpid(),
             **dataclasses.asdict(snapshot),
         }

@@ -338,6 +338,11 @@ class AsyncEngine:
         vocabulary."""
         return self.engine.detokenize(token_ids)
 
+    def device_adapter_keys(self) -> set[bytes]:
+        """Identity keys of the adapters now in the engine's LoRA slots."""
+        slots = self.engine.runner.lora_slots
+        return {adapter.key for adapter in list(slots.resident)} if slots is not None else set()
+
     def stats(self) -> dict[str, float]:
         """The engine's gauges and counters (LLMEngine.stats)."""
         return self.engine.stats()

@@ -13,6 +13,11 @@ The estimate, per replica, from what it has seen (nothing tuned to a machine):
   replica's service rate at full batch, whatever the model, machine or answer lengths);
 - a new sequence with `ahead = in_flight - max_num_seqs` sequences queued before it
   starts after about `(ahead + 1) / departure_rate` seconds (Little's law).
+- under the engine's `fair` policy (platform/fair_share.py) a tenant's new sequences
+  queue behind its own and, of every other tenant's, only as many as that tenant's
+  share allows in the same time: with `own` = the tenant's sequences in flight plus the
+  new ones, tenant t (weight w_t) counts `min(in_flight_t, own * w_t / w)` ahead. A light
+  tenant is then not refused for a heavy tenant's queue, which the engine lets it pass.
 The time the request already spent between the ingress and this replica (Serve's queue)
 counts toward `max_wait_s`, but a request that can start at once is never refused
 (however long it waited for the replica to come up). Until a full batch has been
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,12 +63,13 @@ class Refusal:
 @dataclass
 class _Entry:
     sequences: int
+    tenant: str = ""
     started: bool = False
 
 
 class AdmissionControl:
-    """Semantics: `admit(request_id, n, waited_s)` returns None (admitted: its `n`
-    sequences count until `finish`) or a Refusal; `started(request_id)` marks that the
+    """Semantics: `admit(request_id, n, waited_s, tenant, weight)` returns None
+    (admitted: its `n` sequences count until `finish`) or a Refusal; `started(request_id)` marks that the
     request produced output (it held a place in the batch); `finish(request_id)`
     removes it, and its sequences count as departures when it had started while the
     batch was full."""
@@ -72,9 +79,14 @@ class AdmissionControl:
         max_wait_s: float | None,
         max_num_seqs: int,
         clock: Callable[[], float] = time.monotonic,
+        fair: bool = False,
     ) -> None:
         self.max_wait_s = max_wait_s
         self.max_num_seqs = max_num_seqs
+        self.fair = fair
+        """The engine admits by tenant fair share (module docstring)."""
+        self._tenant_sequences: Counter[str] = Counter()
+        self._tenant_weights: dict[str, float] = {}
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self.in_flight = 0
@@ -85,21 +97,43 @@ class AdmissionControl:
         self._window_s = 0.0
         self._window_departures = 0
 
-    def estimated_wait_s(self, sequences: int = 1) -> float:
-        """Seconds before `sequences` new sequences would all have started (0: now)."""
-        ahead = self.in_flight + sequences - self.max_num_seqs
+    def estimated_wait_s(self, sequences: int = 1, tenant: str = "", weight: float = 1.0) -> float:
+        """Seconds before `sequences` new sequences of `tenant` would all have started
+        (0: now)."""
+        ahead = self._sequences_before(sequences, tenant, weight) - self.max_num_seqs
         if ahead <= 0 or not self.departure_rate:
             return 0.0
         return ahead / self.departure_rate
 
-    def admit(self, request_id: str, sequences: int, waited_s: float = 0.0) -> Refusal | None:
-        estimate = self.estimated_wait_s(sequences)
+    def _sequences_before(self, sequences: int, tenant: str, weight: float) -> float:
+        """In-flight sequences that start before the new ones, the new ones included."""
+        if not self.fair:
+            return self.in_flight + sequences
+        own = self._tenant_sequences[tenant] + sequences
+        others = sum(
+            min(count, own * self._tenant_weights[other] / weight)
+            for other, count in self._tenant_sequences.items()
+            if other != tenant
+        )
+        return own + others
+
+    def admit(
+        self,
+        request_id: str,
+        sequences: int,
+        waited_s: float = 0.0,
+        tenant: str = "",
+        weight: float = 1.0,
+    ) -> Refusal | None:
+        estimate = self.estimated_wait_s(sequences, tenant, weight)
         if self.max_wait_s is not None and estimate > 0:
             wait = max(waited_s, 0.0) + estimate
             if wait > self.max_wait_s:
                 self.refused += 1
                 return Refusal(wait, self.max_wait_s)
-        self._entries[request_id] = _Entry(sequences)
+        self._entries[request_id] = _Entry(sequences, tenant)
+        self._tenant_sequences[tenant] += sequences
+        self._tenant_weights[tenant] = weight
         self._set_in_flight(self.in_flight + sequences)
         return None
 
@@ -114,6 +148,10 @@ class AdmissionControl:
             return
         if entry.started and self._full_since is not None:
             self._window_departures += entry.sequences
+        self._tenant_sequences[entry.tenant] -= entry.sequences
+        if self._tenant_sequences[entry.tenant] <= 0:
+            del self._tenant_sequences[entry.tenant]
+            del self._tenant_weights[entry.tenant]
         self._set_in_flight(self.in_flight - entry.sequences)
 
     def _set_in_flight(self, in_flight: int) -> None:

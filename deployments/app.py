@@ -1,5 +1,5 @@
 """`serve run serve_config.yaml` entry point: one ModelServer deployment per base model
-behind one OpenAI ingress. `build_app(args)` takes serve_config.yaml's `args`."""
+behind one OpenAI ingress, and the residency registry they share. `build_app(args)` takes serve_config.yaml's `args`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from loraplex.deployments.ingress import OVERLOAD_RETRY_AFTER_S, OpenAIIngress
 from loraplex.deployments.model_server import ModelServer
 from loraplex.deployments.placement import check_placement
 from loraplex.deployments.request_router import ROUTING_STATS_PERIOD_S, ResidencyRouter
+from loraplex.deployments.residency import ResidencyRegistryDeployment
 
 
 def replica_bundles(config: ModelDeploymentConfig) -> list[dict[str, float]]:
@@ -52,7 +53,9 @@ def spread(config: ModelDeploymentConfig) -> dict[str, Any]:
     return {} if limit is None else {"max_replicas_per_node": limit}
 
 
-def bind_model_server(config: ModelDeploymentConfig, adapter_root: str) -> Application:
+def bind_model_server(
+    config: ModelDeploymentConfig, adapter_root: str, registry: Application | None = None
+) -> Application:
     server = config.server
     check_placement(config.name, replica_bundles(config), server.placement_group_strategy)
     scaling: dict[str, Any] = (
@@ -76,15 +79,18 @@ def bind_model_server(config: ModelDeploymentConfig, adapter_root: str) -> Appli
         ),
         **scaling,
     )
-    return deployment.bind(config, adapter_root)
+    return deployment.bind(config, adapter_root, registry)
 
 
 def build_app(args: dict[str, Any]) -> Application:
     config = PlatformConfig.model_validate(args)
-    servers = [bind_model_server(model, config.adapter_root) for model in config.models]
+    registry = ResidencyRegistryDeployment.bind()
+    servers = [
+        bind_model_server(model, config.adapter_root, registry) for model in config.models
+    ]
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         max_queued_requests=config.ingress.max_queued_requests,
         backpressure_config=BackpressureConfig(retry_after_s=OVERLOAD_RETRY_AFTER_S),
-    ).bind(config, servers)
+    ).bind(config, servers, registry)

@@ -151,6 +151,17 @@ class AdapterCatalog:
             contained_folder(root, record["path"])
         return AdapterEntry(tenant, base, name, root / record["path"], record["version"], root)
 
+    def model_ids(self, base: str) -> list[str]:
+        """The multiplexed model ids of every adapter of `base` the catalog holds now,
+        shared and tenant-owned (the disk tier of the residency view; files not checked)."""
+        self._refresh()
+        ids = [entry.model_id for entry in self.shared.get(base, {}).values()]
+        for tenant, records in self._data["tenants"].items():
+            for key, record in records.items():
+                if key.split(":", 1)[0] == base:
+                    ids.append(self._entry(tenant, key, record, check=False).model_id)
+        return sorted(ids)
+
     def find_tenant(self, tenant: str, base: str, name: str) -> AdapterEntry | None:
         self._refresh()
         record = self._data["tenants"].get(tenant, {}).get(f"{base}:{name}")

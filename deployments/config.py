@@ -60,6 +60,9 @@ class ServerOptions(StrictConfig):
     )
 
 
+SERVED_POLICY_OPTION, SERVED_POLICY = "policy", "fair"
+"""Served engines share themselves among tenants (platform/fair_share.py) by default."""
+
 EngineOptionValue = int | float | str | bool | None | dict[str, int | float | str | bool]
 """An engine option's value in the serve config: a scalar, or a flat mapping (the one
 mapping option is `speculative_config`, also accepted as its JSON text)."""
@@ -150,7 +153,10 @@ class ModelDeploymentConfig(StrictConfig):
         return self
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig.from_options(self.model or self.name, self.engine)
+        """The engine's config; a served engine schedules by tenant fair share unless
+        `engine.policy` says otherwise."""
+        options = {SERVED_POLICY_OPTION: SERVED_POLICY, **self.engine}
+        return EngineConfig.from_options(self.model or self.name, options)
 
 
 def model_deployment_name(name: str) -> str:

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
@@ -304,6 +304,13 @@ async def _interleaved(streams: list[tuple[ChoiceAccumulator, StreamStep, Any]])
             task.cancel()
 
 
+async def _settle_prefetch(response: DeploymentResponse, model_id: str) -> None:
+    try:
+        await response
+    except Exception as exc:
+        logger.warning("prefetch of adapter %s failed: %r", model_id, exc)
+
+
 def _generate_error(error: GenerateError) -> OpenAIError:
     return OpenAIError(
         error.status, error.message, param=error.param, retry_after_s=error.retry_after_s
@@ -315,8 +322,14 @@ def _generate_error(error: GenerateError) -> OpenAIError:
 class OpenAIIngress:
     """Authenticates, routes by model name, applies tenant limits, streams responses."""
 
-    def __init__(self, config: PlatformConfig, servers: list[DeploymentHandle]) -> None:
+    def __init__(
+        self,
+        config: PlatformConfig,
+        servers: list[DeploymentHandle],
+        registry: DeploymentHandle | None = None,
+    ) -> None:
         send_platform_logs_to_serve()
+        self.registry = registry
         self.bases = [model.name for model in config.models]
         self.servers = dict(zip(self.bases, servers, strict=True))
         self.tenants = Tenants(config.tenants)
@@ -329,6 +342,8 @@ class OpenAIIngress:
         replica = serve.get_replica_context().replica_id.unique_id
         self.memory = ProcessMemory("ingress", replica)
         self._models_up: set[str] = set()
+        self._background: set[asyncio.Future] = set()
+        """Fire-and-forget calls (adapter prefetches), held so they are not collected."""
         logger.info(
             "ingress ready: models=%s tenants=%d auth=%s adapter_root=%s",
             self.bases,
@@ -405,6 +420,31 @@ class OpenAIIngress:
             raise OpenAIError(403, f"fault injection is off for model {body.model!r}") from None
         logger.warning("operator armed failpoint %s on %s", body.name, body.model)
         return {"object": "failpoint", "model": body.model, "name": body.name, "armed": True}
+
+    @app.get("/v1/admin/residency")
+    async def residency(self, request: Request, model: str | None = None) -> dict:
+        """Which replica holds which adapter in which tier (deployments/residency.py),
+        per base model: each live replica's device and host tiers, its requests per
+        adapter (since start, and over the demand window), and the disk tier (every
+        adapter the catalog holds). Operator key only."""
+        self._require_operator(request.headers.get("authorization"), "/v1/admin/residency")
+        if model is not None and model not in self.servers:
+            raise OpenAIError(404, f"model {model!r} does not exist", code="model_not_found")
+        if self.registry is None:
+            raise OpenAIError(503, "this app has no residency registry")
+        replicas = await self.registry.view.remote(model)
+        return {
+            "object": "residency",
+            "data": [
+                {
+                    "model": base,
+                    "disk": self.catalog.model_ids(base),
+                    "replicas": [r for r in replicas if r["model"] == base],
+                }
+                for base in self.bases
+                if model is None or base == model
+            ],
+        }
 
     @app.delete("/v1/admin/failpoints/{model}")
     async def disarm_failpoints(self, model: str, request: Request) -> dict:
@@ -535,6 +575,7 @@ class OpenAIIngress:
             dataclasses.replace(
                 call,
                 tenant=tenant.name,
+                tenant_weight=tenant.weight,
                 adapter=route.adapter.public_id if route.adapter else None,
                 max_request_tokens=tenant.tokens_per_minute,
                 cache_salt=tenant.name if self.tenants.auth_enabled else None,
@@ -726,7 +767,18 @@ class OpenAIIngress:
             )
         except CatalogError as exc:
             raise _catalog_error(exc) from None
+        self._prefetch(body.model, entry.model_id)
         return _card(entry)
+
+    def _prefetch(self, base: str, model_id: str) -> None:
+        """Warms a newly registered adapter on one replica in the background (host
+        memory; the router then sends its first request there). Fire and forget: a
+        failed prefetch only means the first request loads it."""
+        handle = self.servers[base].options(multiplexed_model_id=model_id)
+        response = handle.prefetch_adapter.remote()
+        task = asyncio.ensure_future(_settle_prefetch(response, model_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @app.post("/v1/adapters/{model}/{name}/unload")
     async def unload_adapter(self, model: str, name: str, request: Request) -> AdapterCard:

@@ -23,6 +23,8 @@ Its jobs:
   overload the admitted requests are answered in time instead of all of them late;
 - arm failpoints (platform/failpoints.py) when the config allows fault injection;
 - record engine and request metrics (metrics.py);
+- publish where its adapters sit to the app's residency registry (residency.py), and
+  warm a newly registered adapter when the ingress asks (`prefetch_adapter`);
 - fail `check_health` when the engine loop is dead, so Serve replaces the replica;
 - drain in-flight requests on shutdown.
 """
@@ -40,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.deployments.admission import AdmissionControl
@@ -49,6 +53,7 @@ from loraplex.deployments.config import ModelDeploymentConfig, model_deployment_
 from loraplex.deployments.logprobs import TokenLogprob, TokenTexts
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics, ProcessMemory
+from loraplex.deployments.residency import PUBLISH_PERIOD_S, ReplicaResidency
 from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.request import RequestOutput, SamplingParams
@@ -68,6 +73,8 @@ class GenerateCall:
     messages: list[dict[str, Any]] | None = None
     """Chat messages as the chat template reads them (`ChatMessage.for_template`)."""
     tenant: str = ""
+    tenant_weight: float = 1.0
+    """The tenant's fair-share weight (the engine's `fair` policy and admission)."""
     adapter: str | None = None
     """Public adapter id ('base:name') for logs and metrics."""
     max_tokens_given: bool = True
@@ -159,7 +166,12 @@ def _pinned_version(entry: AdapterEntry) -> int | None:
 
 
 class ModelServer:
-    def __init__(self, config: ModelDeploymentConfig, adapter_root: str) -> None:
+    def __init__(
+        self,
+        config: ModelDeploymentConfig,
+        adapter_root: str,
+        registry: DeploymentHandle | None = None,
+    ) -> None:
         send_platform_logs_to_serve()
         self.config = config
         engine_config = config.engine_config()
@@ -172,7 +184,9 @@ class ModelServer:
         self.metrics = EngineMetrics(config.name, replica)
         self.memory = ProcessMemory(model_deployment_name(config.name), replica)
         self.admission = AdmissionControl(
-            config.admission_max_wait_s, engine_config.scheduler.max_num_seqs
+            config.admission_max_wait_s,
+            engine_config.scheduler.max_num_seqs,
+            fair=engine_config.scheduler.policy == "fair",
         )
 
         # A plain function, not the bound method: Serve caches its state on the callable.
@@ -188,6 +202,9 @@ class ModelServer:
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_stats, daemon=True)
         self._reporter.start()
+        self._registry = registry
+        if registry is not None:
+            threading.Thread(target=self._publish_residency, daemon=True).start()
         logger.info("model server for %s ready (replica %s)", config.name, replica)
 
     async def _load_resident(self, model_id: str) -> ResidentAdapter:
@@ -213,6 +230,20 @@ class ModelServer:
         if not model_id:
             return None
         return (await self._resident(model_id)).adapter
+
+    async def prefetch_adapter(self) -> bool:
+        """Loads the adapter named by the call's multiplexed model id into this replica's
+        host tier ahead of its first request (the ingress sends one call when a tenant
+        registers an adapter). Off the engine loop like every load, so it never holds up
+        other requests. False when the adapter is gone by then (deleted or replaced)."""
+        model_id = serve.get_multiplexed_model_id()
+        try:
+            await self._resident(model_id)
+        except LookupError as exc:
+            logger.info("prefetch of %s skipped: %s", model_id, exc)
+            return False
+        logger.info("adapter %s prefetched into host memory", model_id)
+        return True
 
     async def validate_adapter(self, folder: str, name: str, root: str) -> GenerateError | None:
         """Loads and validates a tenant's adapter folder (under its `root`, read without
@@ -245,6 +276,29 @@ class ModelServer:
                 self.metrics.record_engine(self.engine.stats())
             except Exception:
                 logger.exception("recording engine metrics failed")
+
+    def residency(self) -> ReplicaResidency:
+        """This replica's adapters by tier, as the residency registry keeps them."""
+        stats = self.record_routing_stats()
+        return ReplicaResidency(
+            model=self.config.name,
+            replica=self.metrics.tags["replica"],
+            node_id=ray.get_runtime_context().get_node_id() if _in_serve() else "",
+            device=stats["device"],
+            host=stats["host"],
+            requests=stats["requests"],
+        )
+
+    def _publish_residency(self) -> None:
+        failures = 0
+        while not self._stop.wait(PUBLISH_PERIOD_S):
+            try:
+                self._registry.publish.remote(self.residency()).result(timeout_s=10)
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning("publishing residency failed (%d in a row): %r", failures, exc)
 
     def _fit_max_tokens(self, call: GenerateCall, num_prompt_tokens: int) -> SamplingParams:
         """Sampling params whose max_tokens fits the context (see `max_tokens_given`)."""
@@ -299,7 +353,9 @@ class ModelServer:
         """Streams StreamSteps; a GenerateError is the only item when the input is bad."""
         started = time.perf_counter()
         waited_s = time.time() - call.received_at if call.received_at is not None else 0.0
-        refusal = self.admission.admit(call.request_id, call.params.n, waited_s)
+        refusal = self.admission.admit(
+            call.request_id, call.params.n, waited_s, call.tenant, call.tenant_weight
+        )
         if refusal is not None:
             logger.info("request %s refused: %s", call.request_id, refusal.message)
             self.metrics.refused.inc(1, self.metrics.tags)
@@ -319,6 +375,8 @@ class ModelServer:
                 request_id=call.request_id,
                 adapter=lora,
                 cache_salt=call.cache_salt,
+                tenant=call.tenant,
+                tenant_weight=call.tenant_weight,
             )
             echo_text = self._prompt_text(call.prompt, prompt) if call.echo else None
             tool_format = self.engine.tool_call_format if call.tools else None
@@ -402,6 +460,12 @@ class ModelServer:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        registry = getattr(self, "_registry", None)
+        if registry is not None:
+            try:
+                registry.withdraw.remote(self.config.name, self.metrics.tags["replica"])
+            except Exception:
+                logger.debug("withdrawing from the residency registry failed", exc_info=True)
         memory = getattr(self, "memory", None)
         if memory is not None:
             memory.stop()

@@ -81,6 +81,13 @@ class TenantConfig(ApiKeys):
         "(prompt + n x max_tokens) is reserved at admission and settled when it ends",
     )
     max_adapters: int = Field(64, ge=0, description="adapters it may register")
+    weight: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        description="fair-share weight: under overload a model's engine serves tenants "
+        "tokens in proportion to their weights (platform/fair_share.py)",
+    )
 
     def _owner(self) -> str:
         return f"tenant {self.name!r}"
@@ -99,6 +106,7 @@ class Tenant:
     max_concurrent_requests: int | None = None
     tokens_per_minute: int | None = None
     max_adapters: int = 64
+    weight: float = 1.0
 
     def may_use_base(self, base: str) -> bool:
         return "*" in self.models or base in self.models
@@ -129,6 +137,7 @@ class Tenants:
                 max_concurrent_requests=config.max_concurrent_requests,
                 tokens_per_minute=config.tokens_per_minute,
                 max_adapters=config.max_adapters,
+                weight=config.weight,
             )
             for digest in config.key_digests():
                 if digest in self._by_digest:

@@ -215,12 +215,15 @@ class AsyncEngine:
         priority: int = 0,
         adapter: str | LoRAAdapter | None = None,
         cache_salt: str | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs until the request finishes. ValueError on bad input
         (an unknown or invalid adapter included); RequestFailedError when the engine
         ends the request early; EngineRestartedError / EngineDeadError when the engine
         restarts or dies under it. `adapter`: a registered name, an adapter folder or a
-        loaded adapter; None runs the base model. `cache_salt`: see make_request_group."""
+        loaded adapter; None runs the base model. `cache_salt`, `tenant` and
+        `tenant_weight`: see make_request_group."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
         lora = await self.load_adapter(adapter)
@@ -228,7 +231,15 @@ class AsyncEngine:
         if params.guided is not None:
             grammar = await asyncio.to_thread(self.engine.compile_grammar, params.guided)
         group = self.engine.make_request_group(
-            request_id, prompt, params, priority, lora=lora, cache_salt=cache_salt, grammar=grammar
+            request_id,
+            prompt,
+            params,
+            priority,
+            lora=lora,
+            cache_salt=cache_salt,
+            grammar=grammar,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:

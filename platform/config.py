@@ -107,13 +107,18 @@ class CacheConfig:
             raise ValueError(f"num_blocks_override must be >= 1, got {self.num_blocks_override}")
 
 
+POLICIES = ("fcfs", "priority", "fair")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits.
 
     `max_num_batched_tokens` is the per-step token budget shared by prefill chunks and
     decodes. With chunked prefill off a prompt must fit the budget in one step.
-    `policy` is 'fcfs' or 'priority' (lower `priority` value runs first, ties FCFS).
+    `policy` is 'fcfs', 'priority' (lower `priority` value runs first, ties FCFS) or
+    'fair' (the waiting tenant with the fewest weighted tokens served runs first, FCFS
+    within a tenant; platform/fair_share.py).
     """
 
     max_num_seqs: int = 128
@@ -128,8 +133,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)

@@ -305,10 +305,13 @@ class LLMEngine:
         lora: LoRAAdapter | None = None,
         cache_salt: str | None = None,
         grammar: object | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> list[Request]:
         """Validates a prompt and builds its n Requests. Raises ValueError on bad input.
         `lora` is an adapter already loaded (see `load_adapter`); `cache_salt` keeps the
         request's prefix-cache entries apart from other salts' (one per tenant);
+        `tenant` and `tenant_weight` are what the `fair` policy shares the engine by;
         `grammar` is `params.guided` compiled (`compile_grammar`; compiled here when
         None), each completion gets its own matcher over it."""
         token_ids = self.tokenize(prompt)
@@ -324,6 +327,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         self.check_fits_model(params, len(token_ids))
+        if not tenant_weight > 0:
+            raise ValueError(f"tenant_weight must be > 0, got {tenant_weight}")
         salt = cache_salt.encode() if cache_salt is not None else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.guided is not None and grammar is None:
@@ -338,6 +343,8 @@ class LLMEngine:
                 arrival_time=arrival,
                 priority=priority,
                 lora=lora,
+                tenant=tenant,
+                tenant_weight=tenant_weight,
                 group_id=request_id,
                 index=index,
                 cache_salt=salt,

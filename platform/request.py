@@ -199,6 +199,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     lora: LoRAAdapter | None = None
+    tenant: str = ""
+    """Whose request it is, for the `fair` scheduling policy (platform/fair_share.py)."""
+    tenant_weight: float = 1.0
+    """The tenant's fair-share weight: its served tokens count 1 / weight each."""
     group_id: str = ""
     index: int = 0
     status: RequestStatus = RequestStatus.WAITING

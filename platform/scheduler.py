@@ -18,6 +18,11 @@ budget left and the free KV blocks (drafts never preempt and never take budget f
 another request's tokens); after the step the scheduler books how many were accepted
 and returns the blocks that only rejected drafts used.
 
+Fair share (`policy: fair`, platform/fair_share.py): waiting requests are admitted
+from the tenant with the fewest weighted tokens served (FCFS within a tenant); the
+scheduler charges each tenant its computed prompt tokens at admission and its sampled
+tokens after each step.
+
 LoRA: at most `max_loras` distinct adapters run at once (one device slot each). A
 waiting request whose adapter would need a slot while all are taken is skipped, and
 from then on only base-model requests may pass it: requests for resident adapters
@@ -29,10 +34,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from loraplex.platform.config import SchedulerConfig
+from loraplex.platform.fair_share import FairShare
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request, RequestFailure, RequestStatus
 from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
@@ -129,10 +136,18 @@ class Scheduler:
         self.fork_waiting: dict[str, list[Request]] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.fair_share = FairShare() if config.policy == "fair" else None
+        """Virtual token counters per tenant (None unless the policy is `fair`)."""
+        self._tenant_requests: Counter[str] = Counter()
+        """Unfinished requests per tenant (the active tenants)."""
 
     # ---- admission -------------------------------------------------------------
     def add(self, group: list[Request]) -> None:
         """Queues a request group (n children sharing a prompt)."""
+        tenant = group[0].tenant
+        if self.fair_share is not None and not self._tenant_requests[tenant]:
+            self.fair_share.activate(tenant, +self._tenant_requests)
+        self._tenant_requests[tenant] += len(group)
         for request in group:
             self.requests[request.request_id] = request
         self.waiting.push(group[0])
@@ -204,7 +219,7 @@ class Scheduler:
         adapters = self.running_adapters()
         slot_blocked = False
         admitted: set[int] = set()
-        for request in self.waiting:
+        for request in self._waiting_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             key = request.adapter_key
@@ -229,12 +244,35 @@ class Scheduler:
             request.num_computed_tokens = len(cached) * self.kv_cache.block_size
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = request.num_computed_tokens
+                self._charge(request, request.num_tokens - request.num_computed_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, []))
             budget -= num_new
         self.waiting.remove_all(admitted)
         return budget
+
+    def _waiting_order(self) -> Iterator[Request]:
+        """Waiting requests in admission order: the queue's, or under `fair` the head of
+        the tenant with the lowest counter each time (charges made by the caller between
+        two items count for the next)."""
+        if self.fair_share is None:
+            yield from self.waiting
+            return
+        queues: dict[str, deque[Request]] = {}
+        for request in self.waiting:
+            queues.setdefault(request.tenant, deque()).append(request)
+        while queues:
+            heads = {tenant: queue[0].arrival_time for tenant, queue in queues.items()}
+            tenant = self.fair_share.next_tenant(heads)
+            queue = queues[tenant]
+            yield queue.popleft()
+            if not queue:
+                del queues[tenant]
+
+    def _charge(self, request: Request, tokens: int) -> None:
+        if self.fair_share is not None:
+            self.fair_share.charge(request.tenant, tokens, request.tenant_weight)
 
     def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         """Gives decodes of speculating requests their drafts, last, from what the step
@@ -301,6 +339,7 @@ class Scheduler:
             if request is None:
                 continue  # its group failed this step
             request.append_output_token(*tokens[0])
+            self._charge(request, len(tokens))
             updated.append(request)
         return updated
 
@@ -326,7 +365,12 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request, uncache=status is RequestStatus.FINISHED_ERROR)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self._tenant_requests[request.tenant] -= 1
+            if self._tenant_requests[request.tenant] <= 0:
+                del self._tenant_requests[request.tenant]
+                if self.fair_share is not None:
+                    self.fair_share.forget_idle(self._tenant_requests)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
         for sibling in self.fork_waiting.pop(request.request_id, ()):

@@ -20,11 +20,13 @@ class Clock:
         return self.now
 
 
-def measured(max_wait_s: float | None = 5.0, max_num_seqs: int = 2) -> AdmissionControl:
+def measured(
+    max_wait_s: float | None = 5.0, max_num_seqs: int = 2, fair: bool = False
+) -> AdmissionControl:
     """Admission control that watched a full batch of 2 lose 4 sequences in 8 s (0.5/s)
     and is now empty."""
     clock = Clock()
-    control = AdmissionControl(max_wait_s, max_num_seqs, clock)
+    control = AdmissionControl(max_wait_s, max_num_seqs, clock, fair=fair)
     for i in range(6):
         assert control.admit(f"w{i}", 1) is None
     for i in range(4):
@@ -66,6 +68,32 @@ def test_the_wait_is_the_queue_ahead_over_the_departure_rate():
     # Time already spent queued before the replica counts: 1.5 + 6 s > 5 s.
     assert control.admit("f", 1, waited_s=1.5) is not None
     assert control.refused == 2 and control.in_flight == 4
+
+
+def test_under_fair_share_a_light_tenant_is_not_refused_for_a_heavy_queue():
+    control = measured(max_wait_s=5.0, fair=True)
+    for i in range(4):
+        assert control.admit(f"h{i}", 1, tenant="heavy") is None
+    # heavy: 4 in flight + 1 new, batch of 2 -> 3 ahead at 0.5/s = 6 s > 5 s.
+    assert control.admit("h4", 1, tenant="heavy") is not None
+    # light's first sequence passes all but one of heavy's: 1 + 1 - 2 -> starts now.
+    assert control.estimated_wait_s(1, "light") == 0.0
+    assert control.admit("l0", 1, tenant="light") is None
+    # its second: 2 own + 2 of heavy's - 2 -> 2 ahead, 4 s.
+    assert control.estimated_wait_s(1, "light") == pytest.approx(4.0)
+    # a tenant of weight 1/4 lets 4 of every other tenant's pass per own one:
+    # 1 + min(4, 4) of heavy's + min(1, 4) of light's - 2 -> 4 ahead, 8 s.
+    assert control.estimated_wait_s(1, "bronze", weight=0.25) == pytest.approx(8.0)
+    for request_id in ("h0", "h1", "h2", "h3", "l0"):
+        control.finish(request_id)
+    assert control.in_flight == 0 and control.estimated_wait_s(1, "heavy") == 0.0
+
+
+def test_without_fair_share_every_tenant_queues_behind_the_whole_queue():
+    control = measured(max_wait_s=5.0)
+    for i in range(4):
+        assert control.admit(f"h{i}", 1, tenant="heavy") is None
+    assert control.admit("l0", 1, tenant="light") is not None
 
 
 def test_retry_after_grows_with_the_excess_wait():

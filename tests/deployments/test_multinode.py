@@ -209,15 +209,20 @@ def test_model_replicas_run_on_both_nodes(cluster, app):
 
 def test_the_ingress_metrics_are_those_of_its_own_node(cluster, app):
     """`/metrics` reads the metrics agent of the ingress's node, found by node id: here
-    both nodes share one address."""
-    (ingress,) = running_replicas(cluster, "loraplex", "OpenAIIngress")
-    local = {
-        replica["replica_id"]
-        for replica in running_replicas(cluster, "loraplex", "model-tiny")
-        if replica["node_id"] == ingress["node_id"]
-    }
+    both nodes share one address. The model replicas on /metrics are those the state API
+    places on the ingress's node (both read again until they agree: a replica replaced
+    under load gets a new id)."""
+    seen: list[tuple[set[str], set[str]]] = []
 
-    def model_replicas_in_metrics():
+    def local_replicas() -> set[str]:
+        (ingress,) = running_replicas(cluster, "loraplex", "OpenAIIngress")
+        return {
+            replica["replica_id"]
+            for replica in running_replicas(cluster, "loraplex", "model-tiny")
+            if replica["node_id"] == ingress["node_id"]
+        }
+
+    def model_replicas_in_metrics() -> set[str]:
         with urllib.request.urlopen(f"{app}/metrics", timeout=30) as response:
             lines = response.read().decode().splitlines()
         return {
@@ -226,7 +231,14 @@ def test_the_ingress_metrics_are_those_of_its_own_node(cluster, app):
             if line.startswith("vllm:") and 'model_name="tiny"' in line
         }
 
-    assert wait_for(model_replicas_in_metrics, 30, "model metrics on /metrics") == local
+    def agree() -> bool:
+        seen.append((model_replicas_in_metrics(), local_replicas()))
+        return bool(seen[-1][0]) and seen[-1][0] == seen[-1][1]
+
+    try:
+        wait_for(agree, 60, "model metrics on /metrics")
+    except AssertionError:
+        raise AssertionError(f"/metrics vs the ingress node's replicas: {seen[-3:]}") from None
 
 
 def test_a_registered_adapter_is_served_on_both_nodes(cluster, app):

@@ -2,15 +2,20 @@
 and, on a real Serve app with two replicas of one model, the residency each replica
 publishes and the placements it leads to: an adapter's requests stay where it is loaded,
 and each replica's published residency equals its own state after loads and slot
-evictions."""
+evictions; a registered adapter is prefetched on one replica; the operator's residency
+view (`GET /v1/admin/residency`, deployments/residency.py) equals the replicas' own
+state, follows registration and deletion, and loses a killed replica's entry."""
 
 from __future__ import annotations
 
 import random
+import shutil
 import time
 
 import pytest
+import requests
 
+from loraplex.deployments.residency import STALE_AFTER_S
 from loraplex.deployments.request_router import (
     COLD,
     DEVICE,
@@ -20,6 +25,7 @@ from loraplex.deployments.request_router import (
     adapter_tier,
     rank_replicas,
 )
+from loraplex.deployments.tenants import hash_key
 
 STATS_SETTLE_S = 2.5 * ROUTING_STATS_PERIOD_S
 """Serve's controller polls each replica's residency once a period and pushes it to the
@@ -83,7 +89,7 @@ def test_every_model_deployment_routes_with_it(tiny_model_factory, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pair_app(serve_setup):
+def pair_app(serve_setup, operator_key):
     """A second app in the session's Ray: two replicas of the tiny model, one LoRA slot
     each, three shared adapters."""
     from ray import serve
@@ -107,6 +113,7 @@ def pair_app(serve_setup):
                 "server": {"num_cpus": 0.05, "num_replicas": 2},
             }
         ],
+        "operator": {"api_key_sha256": [hash_key(operator_key)]},
     }
     serve.run(build_app(config), name="pair", route_prefix="/pair")
     yield f"{serve_setup.url}/pair", list(serve_setup.shared)[:3]
@@ -132,8 +139,6 @@ def residency(actors) -> list[dict]:
 
 
 def complete(url: str, model: str) -> None:
-    import requests
-
     response = requests.post(
         f"{url}/v1/completions",
         json={"model": model, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0},
@@ -175,3 +180,128 @@ def test_requests_follow_their_adapter_and_residency_is_published(pair_app):
 def _name(model_id: str) -> str:
     """An adapter's name in its multiplexed model id (`owner/name@version`)."""
     return model_id.split("/", 1)[-1].rsplit("@", 1)[0]
+
+
+def test_a_registered_adapter_is_prefetched_on_one_replica(pair_app, serve_setup):
+    """Registering an adapter warms it in one replica's host memory before any request
+    (the ingress's prefetch); its first request then goes to that replica."""
+    url, adapters = pair_app
+    owner_root = serve_setup.adapter_root / "anonymous"
+    owner_root.mkdir(exist_ok=True)
+    shutil.copytree(serve_setup.shared[adapters[0]], owner_root / "warm", dirs_exist_ok=True)
+    actors = replica_actors()
+    response = requests.post(
+        f"{url}/v1/adapters", json={"model": "pair", "name": "warm", "path": "warm"}, timeout=60
+    )
+    assert response.status_code == 201, response.text
+    deadline = time.monotonic() + 30
+    holders: list[int] = []
+    while not holders and time.monotonic() < deadline:
+        time.sleep(0.2)
+        state = residency(actors)
+        holders = [i for i in range(2) if any(_name(m) == "warm" for m in state[i][HOST])]
+    assert len(holders) == 1, f"one replica holds the new adapter: {state}"
+    model_id = next(m for m in state[holders[0]][HOST] if _name(m) == "warm")
+    assert not any(model_id in s["requests"] for s in state), "no request ran it yet"
+    time.sleep(STATS_SETTLE_S)  # the router's view catches up with the replicas'
+    complete(url, "pair:warm")
+    after = residency(actors)
+    assert after[holders[0]]["requests"].get(model_id) == 1, after
+
+
+def residency_view(url: str, key: str, model: str | None = "pair") -> dict:
+    response = requests.get(
+        f"{url}/v1/admin/residency",
+        params={} if model is None else {"model": model},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    (entry,) = response.json()["data"]
+    return entry
+
+
+def tiers(states) -> list[tuple[list[str], list[str]]]:
+    return sorted((sorted(s[DEVICE]), sorted(s[HOST])) for s in states)
+
+
+def test_the_operator_residency_view_is_the_replicas_own_state(pair_app, operator_key):
+    url, adapters = pair_app
+    actors = replica_actors()
+    for adapter in adapters:
+        complete(url, f"pair:{adapter}")
+    own = residency(actors)
+    deadline = time.monotonic() + 10
+    view = residency_view(url, operator_key)
+    while tiers(view["replicas"]) != tiers(own) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        own, view = residency(actors), residency_view(url, operator_key)
+    assert tiers(view["replicas"]) == tiers(own), (view, own)
+    assert len({r["replica"] for r in view["replicas"]}) == 2
+    for replica in view["replicas"]:
+        assert replica["model"] == "pair" and replica["node_id"] and replica["age_s"] < 5
+        for model_id, count in replica["demand"].items():
+            assert 0 < count <= replica["requests"][model_id]
+    served = {m for r in view["replicas"] for m in r["demand"]}
+    assert {_name(m) for m in served} >= set(adapters), "each adapter's requests count"
+    assert {_name(m) for m in view["disk"]} >= set(adapters), "shared adapters are on disk"
+
+
+def test_the_residency_view_needs_the_operator_key(pair_app):
+    url, _ = pair_app
+    for headers in ({}, {"Authorization": "Bearer sk-not-the-operator"}):
+        response = requests.get(f"{url}/v1/admin/residency", headers=headers, timeout=30)
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_residency_view_names_an_unknown_model(pair_app, operator_key):
+    url, _ = pair_app
+    response = requests.get(
+        f"{url}/v1/admin/residency",
+        params={"model": "nope"},
+        headers={"Authorization": f"Bearer {operator_key}"},
+        timeout=30,
+    )
+    assert response.status_code == 404 and "nope" in response.json()["error"]["message"]
+
+
+def test_a_deleted_adapter_leaves_the_disk_tier(pair_app, serve_setup, operator_key):
+    url, adapters = pair_app
+    owner_root = serve_setup.adapter_root / "anonymous"
+    owner_root.mkdir(exist_ok=True)
+    shutil.copytree(serve_setup.shared[adapters[1]], owner_root / "brief", dirs_exist_ok=True)
+    response = requests.post(
+        f"{url}/v1/adapters", json={"model": "pair", "name": "brief", "path": "brief"}, timeout=60
+    )
+    assert response.status_code == 201, response.text
+    assert "brief" in {_name(m) for m in residency_view(url, operator_key)["disk"]}
+    response = requests.delete(f"{url}/v1/adapters/pair/brief", timeout=60)
+    assert response.status_code == 200, response.text
+    assert "brief" not in {_name(m) for m in residency_view(url, operator_key)["disk"]}
+
+
+def test_a_killed_replica_leaves_the_residency_view(pair_app, operator_key):
+    """Last in this module: it kills one of the app's replicas; the view drops it, and
+    the replica Serve starts in its place joins."""
+    import ray
+
+    url, _ = pair_app
+
+    def live() -> set[str]:
+        return {r["replica"] for r in residency_view(url, operator_key)["replicas"]}
+
+    before = live()
+    assert len(before) == 2
+    ray.kill(replica_actors()[0], no_restart=True)
+    deadline = time.monotonic() + STALE_AFTER_S + 10
+    now = live()
+    while len(now & before) != 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = live()
+    assert len(now & before) == 1, f"the killed replica's entry stays: {before} -> {now}"
+    deadline = time.monotonic() + 90
+    while len(now) != 2 and time.monotonic() < deadline:
+        time.sleep(1)
+        now = live()
+    assert len(now) == 2 and len(now - before) == 1, f"no replacement joined: {before} -> {now}"

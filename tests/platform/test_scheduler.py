@@ -41,7 +41,9 @@ def adapter(name: str) -> LoRAAdapter:
     return LoRAAdapter(name, Path(name), name.encode(), {})
 
 
-def make_group(request_id, prompt, max_tokens=4, n=1, priority=0, arrival=0.0, lora=None):
+def make_group(
+    request_id, prompt, max_tokens=4, n=1, priority=0, arrival=0.0, lora=None, tenant=""
+):
     params = SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0)
     return [
         Request(
@@ -53,6 +55,7 @@ def make_group(request_id, prompt, max_tokens=4, n=1, priority=0, arrival=0.0, l
             priority=priority,
             arrival_time=arrival,
             lora=lora,
+            tenant=tenant,
         )
         for i in range(n)
     ]
@@ -250,7 +253,7 @@ operation = st.one_of(
     max_num_seqs=st.integers(1, 4),
     budget=st.integers(4, 32),
     chunked=st.booleans(),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    policy=st.sampled_from(["fcfs", "priority", "fair"]),
     seed=st.integers(0, 2**16),
 )
 def test_random_add_abort_step_keeps_invariants(
@@ -266,7 +269,9 @@ def test_random_add_abort_step_keeps_invariants(
             _, length, max_tokens, n, priority = op
             prompt = [rng.randrange(3) for _ in range(length)]
             group_id = f"r{index}"
-            scheduler.add(make_group(group_id, prompt, max_tokens, n, priority, float(index)))
+            tenant = f"t{priority}"
+            group = make_group(group_id, prompt, max_tokens, n, priority, float(index), tenant=tenant)
+            scheduler.add(group)
             added.append(group_id)
         elif op[0] == "abort" and added:
             scheduler.abort_group(added[op[1] % len(added)])
@@ -277,3 +282,5 @@ def test_random_add_abort_step_keeps_invariants(
     run_to_completion(scheduler, rng)
     assert scheduler.kv_cache.pool.num_free == num_blocks
     assert not scheduler.running and not len(scheduler.waiting) and not scheduler.fork_waiting
+    if scheduler.fair_share is not None:
+        assert scheduler.fair_share.counters() == {}, "idle tenants' counters were kept"

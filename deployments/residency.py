@@ -1,0 +1,115 @@
+"""The fleet's residency registry: which model replica holds which adapter in which tier.
+
+One small Serve deployment (`ResidencyRegistry`, one replica) per app. Every model
+replica publishes its `ReplicaResidency` every `PUBLISH_PERIOD_S` (the adapters in its
+device slots and in host memory, and the requests it served per adapter) and withdraws
+it when it shuts down. A replica that stops publishing (killed, its node lost) drops out
+after `STALE_AFTER_S`. The ingress reads the registry for `GET /v1/admin/residency`
+(operator key), adding the disk tier (every adapter its catalog knows).
+
+Demand: from the cumulative request counts of successive reports the registry keeps,
+per replica and adapter, the requests of the last `DEMAND_WINDOW_S` seconds.
+
+The router does not read this registry: Serve hands it each replica's routing stats
+directly (deployments/request_router.py); both come from the same replica state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from ray import serve
+
+logger = logging.getLogger(__name__)
+
+PUBLISH_PERIOD_S = 1.0
+STALE_AFTER_S = 5.0
+"""A replica whose last report is older than this is gone from the view."""
+DEMAND_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class ReplicaResidency:
+    """One model replica's adapters by tier, as it last reported them."""
+
+    model: str
+    replica: str
+    node_id: str
+    device: list[str]
+    """Multiplexed model ids in the replica's LoRA device slots."""
+    host: list[str]
+    """Model ids loaded in its host memory (the device ones included)."""
+    requests: dict[str, int] = field(default_factory=dict)
+    """Requests it served per model id since it started ('' is the base model)."""
+
+
+@dataclass
+class _Entry:
+    report: ReplicaResidency
+    seen_at: float
+    history: deque[tuple[float, dict[str, int]]] = field(default_factory=deque)
+
+    def demand(self, now: float) -> dict[str, int]:
+        """Requests per model id over the demand window (from the oldest report in it)."""
+        while len(self.history) > 1 and self.history[1][0] <= now - DEMAND_WINDOW_S:
+            self.history.popleft()
+        _, oldest = self.history[0]
+        newest = self.report.requests
+        return {
+            model_id: count - oldest.get(model_id, 0)
+            for model_id, count in newest.items()
+            if count - oldest.get(model_id, 0) > 0
+        }
+
+
+class ResidencyRegistry:
+    """Semantics: `publish(report)` replaces the replica's entry; `withdraw(model,
+    replica)` removes it; `view(model)` lists the live entries (one model, or all
+    with None) with their age and windowed demand, and forgets stale ones."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], _Entry] = {}
+
+    def publish(self, report: ReplicaResidency) -> None:
+        now = time.monotonic()
+        key = (report.model, report.replica)
+        entry = self._entries.get(key)
+        if entry is None:
+            logger.info("replica %s of %s joined the residency view", report.replica, report.model)
+            entry = self._entries[key] = _Entry(report, now)
+        entry.report, entry.seen_at = report, now
+        entry.history.append((now, dict(report.requests)))
+
+    def withdraw(self, model: str, replica: str) -> None:
+        if self._entries.pop((model, replica), None) is not None:
+            logger.info("replica %s of %s left the residency view", replica, model)
+
+    def view(self, model: str | None = None) -> list[dict]:
+        now = time.monotonic()
+        for key, entry in list(self._entries.items()):
+            if now - entry.seen_at > STALE_AFTER_S:
+                logger.info("replica %s of %s is stale: dropped from the view", *key[::-1])
+                del self._entries[key]
+        return [
+            {
+                **asdict(entry.report),
+                "age_s": round(now - entry.seen_at, 3),
+                "demand": entry.demand(now),
+            }
+            for (name, _), entry in sorted(self._entries.items())
+            if model is None or name == model
+        ]
+
+
+REGISTRY_DEPLOYMENT = "residency-registry"
+
+ResidencyRegistryDeployment = serve.deployment(
+    ResidencyRegistry,
+    name=REGISTRY_DEPLOYMENT,
+    num_replicas=1,
+    ray_actor_options={"num_cpus": 0.01},
+    max_ongoing_requests=1000,
+)

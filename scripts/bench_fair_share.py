@@ -1,0 +1,114 @@
+"""Tenant fair share on the served path (issue 13's acceptance 3), one app per policy.
+
+For each scheduling policy (`fair`, then `fcfs`) the script starts
+scripts/bench_fair_share_config.yaml with that policy and runs `loraplex bench serve`:
+1. `light` alone: Poisson arrivals at LIGHT_RATE req/s;
+2. `heavy` at 10x that rate (past the replica's capacity) and, once it has run for
+   HEAVY_HEAD_START_S, `light` again as in 1 (new prompts), both to the end.
+It prints light's TTFT p50 / p99 in both phases and their ratio, what each tenant got
+(completed, refused, output tok/s), the CPU model and the load. The figures of record
+are in the README (Tenant fair share).
+
+Usage: .venv/bin/python scripts/bench_fair_share.py [OUTPUT_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from loraplex.deployments.bench.server import ServeApp
+from loraplex.platform.bench import cpu_model, read_loadavg
+
+logger = logging.getLogger("bench_fair_share")
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "scripts" / "bench_fair_share_config.yaml"
+URL = "http://127.0.0.1:8000"
+MODEL = "smollm2-135m-instruct"
+KEYS = {"light": "sk-bench-light", "heavy": "sk-bench-heavy"}
+LIGHT_RATE = 1.0
+LIGHT_PROMPTS = 60
+HEAVY_RATE = 10 * LIGHT_RATE
+HEAVY_HEAD_START_S = 15.0
+PROMPT_LEN, OUTPUT_LEN = 128, 32
+
+
+def bench(tenant: str, rate: float, prompts: int, seed: int, out: Path) -> subprocess.Popen:
+    command = [
+        str(Path(sys.executable).with_name("loraplex")),
+        "bench", "serve", "--url", URL, "--api-key", KEYS[tenant], "--model", MODEL,
+        "--num-prompts", str(prompts), "--request-rate", str(rate),
+        "--prompt-len", str(PROMPT_LEN), "--output-len", str(OUTPUT_LEN),
+        "--seed", str(seed), "--timeout", "120", "--output-dir", str(out),
+    ]  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "client.log").open("w")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+
+def summary(out: Path) -> dict:
+    burst = json.loads((out / "bench_serve.json").read_text())["bursts"][0]
+    return {
+        "completed": burst["completed"],
+        "sent": burst["num_requests"],
+        "failures": burst["failures"],
+        "ttft_p50": burst["ttft"]["p50"],
+        "ttft_p99": burst["ttft"]["p99"],
+        "tok_s": burst["output_tok_s"],
+    }
+
+
+def run_policy(policy: str, out: Path) -> dict:
+    config = yaml.safe_load(CONFIG.read_text())
+    config["applications"][0]["args"]["models"][0]["engine"]["policy"] = policy
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "serve_config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        with ServeApp(path, URL, out / f"serve-{policy}.log", cwd=ROOT):
+            load = {"before": read_loadavg()}
+            bench("light", LIGHT_RATE, LIGHT_PROMPTS, 1, out / policy / "alone").wait()
+            load["alone"] = read_loadavg()
+            heavy_prompts = int(HEAVY_RATE * (HEAVY_HEAD_START_S + LIGHT_PROMPTS / LIGHT_RATE))
+            heavy = bench("heavy", HEAVY_RATE, heavy_prompts, 3, out / policy / "heavy")
+            time.sleep(HEAVY_HEAD_START_S)
+            bench("light", LIGHT_RATE, LIGHT_PROMPTS, 2, out / policy / "together").wait()
+            load["together"] = read_loadavg()
+            heavy.wait()
+    return {
+        "alone": summary(out / policy / "alone"),
+        "together": summary(out / policy / "together"),
+        "heavy": summary(out / policy / "heavy"),
+        "load": load,
+    }
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "bench-fair-share-results").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    results = {policy: run_policy(policy, out) for policy in ("fair", "fcfs")}
+    (out / "fair_share.json").write_text(json.dumps(results, indent=1))
+    logger.info("machine: %s; light %.1f req/s, heavy %.1f req/s, %d -> %d tokens",
+                cpu_model(), LIGHT_RATE, HEAVY_RATE, PROMPT_LEN, OUTPUT_LEN)  # fmt: skip
+    for policy, result in results.items():
+        alone, together, heavy = result["alone"], result["together"], result["heavy"]
+        logger.info(
+            "%s: light TTFT p50/p99 alone %.3f/%.3f s, with heavy %.3f/%.3f s (p99 %.2fx); "
+            "light %d/%d ok %s; heavy %d/%d ok %s, %.1f tok/s; loadavg %s",
+            policy, alone["ttft_p50"], alone["ttft_p99"], together["ttft_p50"],
+            together["ttft_p99"], together["ttft_p99"] / alone["ttft_p99"],
+            together["completed"], together["sent"], together["failures"],
+            heavy["completed"], heavy["sent"], heavy["failures"], heavy["tok_s"], result["load"],
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Tenant fair share (platform/fair_share.py) and the scheduler's `fair` policy, driven
+without a model: the scheduler tests' helpers make up the sampled tokens.
+
+The policy's promises: a light tenant's request is not queued behind a heavy tenant's
+backlog; a tenant alone gets every place; weights split the places in their ratio;
+credit is not banked while idle.
+"""
+
+from test_scheduler import make_group, make_scheduler, step
+
+from loraplex.platform.fair_share import FairShare
+
+
+def admissions(scheduler, steps):
+    """Request ids in the order they first ran, over `steps` steps."""
+    seen: list[str] = []
+    for _ in range(steps):
+        if not scheduler.num_unfinished:
+            break
+        output, _ = step(scheduler)
+        for item in output.scheduled:
+            if item.request.request_id not in seen:
+                seen.append(item.request.request_id)
+    return seen
+
+
+def test_charge_divides_by_the_weight_and_the_lowest_counter_goes_next():
+    share = FairShare()
+    share.charge("a", 30)
+    share.charge("b", 30, weight=2.0)
+    assert share.counter("a") == 30.0 and share.counter("b") == 15.0
+    assert share.next_tenant({"a": 0.0, "b": 5.0}) == "b"
+    share.charge("b", 30, weight=2.0)
+    assert share.next_tenant({"a": 0.0, "b": 5.0}) == "a", "tie: the earlier head goes first"
+
+
+def test_a_tenant_becoming_active_is_lifted_to_the_lowest_active_counter():
+    share = FairShare()
+    share.charge("a", 100)
+    share.charge("b", 40)
+    share.activate("c", ["a", "b"])
+    assert share.counter("c") == 40.0
+    share.charge("d", 70)
+    share.activate("d", ["a", "b"])
+    assert share.counter("d") == 70.0, "a counter above the floor is kept"
+    share.forget_idle(["a"])
+    assert share.counters(), "kept while any tenant is active"
+    share.forget_idle([])
+    assert share.counters() == {}
+
+
+def heavy_then_light(policy):
+    """Tenant 'heavy' queues 6 requests, then 'light' one, with one batch place."""
+    scheduler = make_scheduler(num_blocks=32, max_num_seqs=1, budget=64, policy=policy)
+    for i in range(6):
+        scheduler.add(make_group(f"h{i}", [1, 2, 3], max_tokens=3, arrival=i, tenant="heavy"))
+    scheduler.add(make_group("l0", [4, 5, 6], max_tokens=3, arrival=6, tenant="light"))
+    return admissions(scheduler, 200)
+
+
+def test_a_light_tenant_is_not_queued_behind_a_heavy_backlog():
+    assert heavy_then_light("fcfs") == ["h0", "h1", "h2", "h3", "h4", "h5", "l0"]
+    assert heavy_then_light("fair") == ["h0", "l0", "h1", "h2", "h3", "h4", "h5"]
+
+
+def test_a_tenant_alone_gets_every_place():
+    scheduler = make_scheduler(num_blocks=32, max_num_seqs=4, budget=64, policy="fair")
+    for i in range(6):
+        scheduler.add(make_group(f"h{i}", [1, 2], max_tokens=4, arrival=i, tenant="heavy"))
+    output, _ = step(scheduler)
+    assert len(output.scheduled) == 4
+
+
+def test_weights_split_the_places_in_their_ratio():
+    scheduler = make_scheduler(num_blocks=32, max_num_seqs=1, budget=64, policy="fair")
+    for i in range(12):
+        for tenant, weight in (("gold", 2.0), ("basic", 1.0)):
+            group = make_group(f"{tenant}{i}", [1, 2, 3], max_tokens=3, arrival=i, tenant=tenant)
+            for request in group:
+                request.tenant_weight = weight
+            scheduler.add(group)
+    order = admissions(scheduler, 400)[:12]
+    gold = sum(request_id.startswith("gold") for request_id in order)
+    assert gold == 8, f"2:1 weights should give 8 of 12 places to gold, got {order}"
+
+
+def test_an_idle_tenant_does_not_bank_credit():
+    scheduler = make_scheduler(num_blocks=32, max_num_seqs=1, budget=64, policy="fair")
+    for i in range(10):
+        scheduler.add(make_group(f"a{i}", [1, 2, 3], max_tokens=3, arrival=i, tenant="a"))
+    assert admissions(scheduler, 20)[:4] == ["a0", "a1", "a2", "a3"]
+    for i in range(3):
+        scheduler.add(make_group(f"b{i}", [4, 5, 6], max_tokens=3, arrival=20 + i, tenant="b"))
+    later = admissions(scheduler, 400)
+    b_places = [i for i, request_id in enumerate(later) if request_id.startswith("b")]
+    assert len(b_places) == 3 and all(
+        second - first == 2 for first, second in zip(b_places, b_places[1:])
+    ), f"b arrived with a's counter, so the two alternate (b does not run 3 in a row): {later}"

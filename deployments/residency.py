@@ -112,4 +112,6 @@ ResidencyRegistryDeployment = serve.deployment(
     num_replicas=1,
     ray_actor_options={"num_cpus": 0.01},
     max_ongoing_requests=1000,
+    # Every model replica publishes once a second: no access-log line per report.
+    logging_config={"enable_access_log": False},
 )

@@ -34,8 +34,8 @@ CONFIG = ROOT / "scripts" / "bench_fair_share_config.yaml"
 URL = "http://127.0.0.1:8000"
 MODEL = "smollm2-135m-instruct"
 KEYS = {"light": "sk-bench-light", "heavy": "sk-bench-heavy"}
-LIGHT_RATE = 1.0
-LIGHT_PROMPTS = 60
+LIGHT_RATE = 0.5
+LIGHT_PROMPTS = 40
 HEAVY_RATE = 10 * LIGHT_RATE
 HEAVY_HEAD_START_S = 15.0
 PROMPT_LEN, OUTPUT_LEN = 128, 32
@@ -72,7 +72,8 @@ def run_policy(policy: str, out: Path) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config))
-        with ServeApp(path, URL, out / f"serve-{policy}.log", cwd=ROOT):
+        log = out / f"serve-{policy}.log"
+        with ServeApp(path, URL, log, api_key=KEYS["light"], cwd=ROOT):
             load = {"before": read_loadavg()}
             bench("light", LIGHT_RATE, LIGHT_PROMPTS, 1, out / policy / "alone").wait()
             load["alone"] = read_loadavg()

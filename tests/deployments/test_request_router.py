@@ -20,9 +20,13 @@ from loraplex.deployments.request_router import (
     COLD,
     DEVICE,
     HOST,
+    PREFIX_CHUNK_CHARS,
+    PREFIX_CHUNK_TOKENS,
     ROUTING_STATS_PERIOD_S,
+    PrefixOwners,
     ReplicaView,
     adapter_tier,
+    prompt_prefix_hashes,
     rank_replicas,
 )
 from loraplex.deployments.tenants import hash_key
@@ -69,6 +73,55 @@ def test_a_large_rank_offers_two_at_random_first():
     assert ranks[2] == ["c"]
     firsts = {tuple(sorted(rank_replicas(views, rng=random.Random(s))[0])) for s in range(20)}
     assert len(firsts) > 3, "the pair is drawn at random"
+
+
+def test_the_prefix_replica_leads_its_tier_unless_overloaded():
+    views = [
+        ReplicaView("a", DEVICE, 0),
+        ReplicaView("b", COLD, 1),
+        ReplicaView("c", COLD, 0),
+        ReplicaView("d", COLD, 9),
+    ]
+    assert rank_replicas(views, affine="b") == [["a"], ["b"], ["c"], ["d"]]
+    assert rank_replicas(views, affine="a") == [["a"], ["b", "c"], ["d"]]
+    assert rank_replicas(views, affine="d") == [["a"], ["b", "c"], ["d"]], "d is overloaded"
+    assert rank_replicas(views, affine="gone") == [["a"], ["b", "c"], ["d"]]
+
+
+class Call:
+    def __init__(self, prompt=None, messages=None, cache_salt=None):
+        self.prompt, self.messages, self.cache_salt = prompt, messages, cache_salt
+
+
+def test_prefix_hashes_chain_full_chunks_per_adapter_and_salt():
+    tokens = list(range(40))
+    hashes = prompt_prefix_hashes(Call(tokens), "")
+    assert len(hashes) == 40 // PREFIX_CHUNK_TOKENS
+    longer = prompt_prefix_hashes(Call(tokens + [7] * 30), "")
+    assert longer[: len(hashes)] == hashes and len(longer) == 70 // PREFIX_CHUNK_TOKENS
+    assert prompt_prefix_hashes(Call([9] + tokens[1:]), "")[0] != hashes[0]
+    assert prompt_prefix_hashes(Call(tokens), "acme/a@1") != hashes, "adapters apart"
+    assert prompt_prefix_hashes(Call(tokens, cache_salt="acme"), "") != hashes, "tenants apart"
+    text = "x" * (2 * PREFIX_CHUNK_CHARS + 5)
+    assert len(prompt_prefix_hashes(Call(text), "")) == 2
+    chat = [{"role": "user", "content": text}]
+    assert len(prompt_prefix_hashes(Call(messages=chat), "")) >= 2
+    assert prompt_prefix_hashes(Call(tokens[:5]), "") == [], "no full chunk"
+    assert prompt_prefix_hashes("tokenize args", "") == []
+
+
+def test_prefix_owners_answer_the_longest_live_prefix_and_forget_the_oldest():
+    owners = PrefixOwners(capacity=5)
+    short = prompt_prefix_hashes(Call(list(range(32))), "")
+    long = prompt_prefix_hashes(Call(list(range(48))), "")
+    owners.record(short, "a")
+    owners.record(long, "b")
+    assert owners.owner(long, {"a", "b"}) == ("b", 3)
+    assert owners.owner(short, {"a", "b"}) == ("b", 2), "b served that prefix last"
+    assert owners.owner(long, {"a"}) == (None, 0), "b is gone, a's entries were replaced"
+    owners.record(prompt_prefix_hashes(Call([5] * 48), ""), "c")
+    assert len(owners) == 5 and owners.owner(long[:1], {"b"}) == (None, 0), "oldest forgotten"
+    assert owners.owner(long, {"b"}) == ("b", 3)
 
 
 def test_every_model_deployment_routes_with_it(tiny_model_factory, tmp_path):
@@ -207,6 +260,43 @@ def test_a_registered_adapter_is_prefetched_on_one_replica(pair_app, serve_setup
     complete(url, "pair:warm")
     after = residency(actors)
     assert after[holders[0]]["requests"].get(model_id) == 1, after
+
+
+def base_requests(states) -> list[int]:
+    return [s["requests"].get("", 0) for s in states]
+
+
+def test_a_repeated_prefix_lands_on_the_replica_that_served_it(pair_app):
+    """Base-model prompts sharing a 48-token prefix (3 chunks) with different endings:
+    after the first, four sent at once all go where the first went (their queue stays
+    within the guard's slack); by queue length alone they would spread over both."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, _ = pair_app
+    actors = replica_actors()
+    prefix = [(7 * i) % 50 + 5 for i in range(48)]
+
+    def send(ending: int) -> None:
+        response = requests.post(
+            f"{url}/v1/completions",
+            json={
+                "model": "pair",
+                "prompt": prefix + [ending + 5] * 4,
+                "max_tokens": 12,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+
+    before = base_requests(residency(actors))
+    send(0)
+    middle = base_requests(residency(actors))
+    (owner,) = [i for i in range(2) if middle[i] > before[i]]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(send, range(1, 5)))
+    after = base_requests(residency(actors))
+    assert after[owner] - middle[owner] == 4, f"spread: {middle} -> {after}, owner {owner}"
 
 
 def residency_view(url: str, key: str, model: str | None = "pair") -> dict:

@@ -53,7 +53,7 @@ from loraplex.deployments.config import ModelDeploymentConfig, model_deployment_
 from loraplex.deployments.logprobs import TokenLogprob, TokenTexts
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics, ProcessMemory
-from loraplex.deployments.residency import PUBLISH_PERIOD_S, ReplicaResidency
+from loraplex.deployments.residency import HEARTBEAT_S, PUBLISH_PERIOD_S, ReplicaResidency
 from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.request import RequestOutput, SamplingParams
@@ -173,6 +173,7 @@ class ModelServer:
         registry: DeploymentHandle | None = None,
     ) -> None:
         send_platform_logs_to_serve()
+        constructed = time.perf_counter()
         self.config = config
         engine_config = config.engine_config()
         self.engine = AsyncEngine.build(
@@ -205,7 +206,13 @@ class ModelServer:
         self._registry = registry
         if registry is not None:
             threading.Thread(target=self._publish_residency, daemon=True).start()
-        logger.info("model server for %s ready (replica %s)", config.name, replica)
+        logger.info(
+            "model server for %s ready (replica %s): cold start %.1f s (engine build, "
+            "weights, warm-up)",
+            config.name,
+            replica,
+            time.perf_counter() - constructed,
+        )
 
     async def _load_resident(self, model_id: str) -> ResidentAdapter:
         """serve.multiplexed's loader: catalog entry of `model_id`, loaded into the engine."""
@@ -290,11 +297,16 @@ class ModelServer:
         )
 
     def _publish_residency(self) -> None:
-        failures = 0
+        """Sends this replica's residency to the registry when it changed, and every
+        HEARTBEAT_S anyway."""
+        failures, last, sent_at = 0, None, 0.0
         while not self._stop.wait(PUBLISH_PERIOD_S):
             try:
-                self._registry.publish.remote(self.residency()).result(timeout_s=10)
-                failures = 0
+                report = self.residency()
+                if report == last and time.monotonic() - sent_at < HEARTBEAT_S:
+                    continue
+                self._registry.publish.remote(report).result(timeout_s=10)
+                last, sent_at, failures = report, time.monotonic(), 0
             except Exception as exc:
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:

@@ -1,9 +1,10 @@
 """The fleet's residency registry: which model replica holds which adapter in which tier.
 
 One small Serve deployment (`ResidencyRegistry`, one replica) per app. Every model
-replica publishes its `ReplicaResidency` every `PUBLISH_PERIOD_S` (the adapters in its
-device slots and in host memory, and the requests it served per adapter) and withdraws
-it when it shuts down. A replica that stops publishing (killed, its node lost) drops out
+replica looks at its `ReplicaResidency` every `PUBLISH_PERIOD_S` (the adapters in its
+device slots and in host memory, and the requests it served per adapter) and publishes
+it when it changed, or every `HEARTBEAT_S` when it did not; it withdraws it when it
+shuts down. A replica that stops publishing (killed, its node lost) drops out
 after `STALE_AFTER_S`. The ingress reads the registry for `GET /v1/admin/residency`
 (operator key), adding the disk tier (every adapter its catalog knows).
 
@@ -26,7 +27,9 @@ from ray import serve
 logger = logging.getLogger(__name__)
 
 PUBLISH_PERIOD_S = 1.0
-STALE_AFTER_S = 5.0
+HEARTBEAT_S = 3.0
+"""An unchanged report is sent again this often, so the registry knows the replica lives."""
+STALE_AFTER_S = 10.0
 """A replica whose last report is older than this is gone from the view."""
 DEMAND_WINDOW_S = 60.0
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from loraplex.deployments.bench.server import ServeApp
+from loraplex.deployments.check.probes import http_status
 from loraplex.platform.bench import cpu_model, read_loadavg
 
 logger = logging.getLogger("bench_fair_share")
@@ -35,10 +36,11 @@ URL = "http://127.0.0.1:8000"
 MODEL = "smollm2-135m-instruct"
 KEYS = {"light": "sk-bench-light", "heavy": "sk-bench-heavy"}
 LIGHT_RATE = 0.5
-LIGHT_PROMPTS = 40
+LIGHT_PROMPTS = 30
 HEAVY_RATE = 10 * LIGHT_RATE
 HEAVY_HEAD_START_S = 15.0
-PROMPT_LEN, OUTPUT_LEN = 128, 32
+PROMPT_LEN, OUTPUT_LEN = 64, 16
+PORT_FREE_TIMEOUT_S = 120.0
 
 
 def bench(tenant: str, rate: float, prompts: int, seed: int, out: Path) -> subprocess.Popen:
@@ -60,8 +62,8 @@ def summary(out: Path) -> dict:
         "completed": burst["completed"],
         "sent": burst["num_requests"],
         "failures": burst["failures"],
-        "ttft_p50": burst["ttft"]["p50"],
-        "ttft_p99": burst["ttft"]["p99"],
+        "ttft_p50": burst["ttft"]["p50_ms"] / 1000,
+        "ttft_p99": burst["ttft"]["p99_ms"] / 1000,
         "tok_s": burst["output_tok_s"],
     }
 
@@ -83,6 +85,9 @@ def run_policy(policy: str, out: Path) -> dict:
             bench("light", LIGHT_RATE, LIGHT_PROMPTS, 2, out / policy / "together").wait()
             load["together"] = read_loadavg()
             heavy.wait()
+    deadline = time.monotonic() + PORT_FREE_TIMEOUT_S
+    while http_status(f"{URL}/health", None) and time.monotonic() < deadline:
+        time.sleep(2)  # the stopped app's Ray processes let go of the port
     return {
         "alone": summary(out / policy / "alone"),
         "together": summary(out / policy / "together"),

@@ -1,9 +1,11 @@
 """Autoscaling a model deployment 1 -> 2 -> 1 replicas under load, and multiplexed
-routing of an adapter's calls to the replica that holds it (a second Serve app on the
-session's Ray cluster)."""
+routing of an adapter's calls to the replica that holds it; a model with
+`min_replicas: 0` scaling to zero when idle and back on its first request (the cold
+start is logged). Each is a further Serve app on the session's Ray cluster."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -108,3 +110,64 @@ def test_scales_up_under_load_routes_adapters_to_their_replica_and_scales_down(
             worker.join(60)
     assert not errors, errors[:1]
     wait_for(lambda: running_replicas(serve) == 1, 90, "scaling back down to one replica")
+
+
+@pytest.fixture(scope="module")
+def zero_app(serve_setup, tmp_path_factory):
+    """A model that scales to zero replicas when idle (`min_replicas: 0`)."""
+    from ray import serve
+
+    from loraplex.deployments.app import build_app
+
+    config = {
+        "adapter_root": str(tmp_path_factory.mktemp("zero-root")),
+        # A request that arrives at zero replicas waits for a cold start.
+        "ingress": {"first_token_timeout_s": 180},
+        "models": [
+            {
+                "name": "sleepy",
+                "model": str(serve_setup.base),
+                "engine": {"dtype": "float32", "max_model_len": 128, "max_lora_rank": 8},
+                "server": {
+                    "num_cpus": 0.1,
+                    "autoscaling_config": {
+                        "min_replicas": 0,
+                        "initial_replicas": 1,
+                        "max_replicas": 1,
+                        "target_ongoing_requests": 1,
+                        "upscale_delay_s": 0,
+                        "downscale_delay_s": 2,
+                        "downscale_to_zero_delay_s": 2,
+                        "metrics_interval_s": 0.5,
+                        "look_back_period_s": 1,
+                    },
+                },
+            }
+        ],
+    }
+    serve.run(build_app(config), name=ZERO_APP, route_prefix=f"/{ZERO_APP}")
+    yield serve
+    serve.delete(ZERO_APP)
+
+
+ZERO_APP = "zero"
+
+
+def test_a_model_scales_to_zero_and_the_first_request_brings_it_back(zero_app, serve_url):
+    serve = zero_app
+
+    def replicas() -> int:
+        status = serve.status().applications[ZERO_APP].deployments["model-sleepy"]
+        return status.replica_states.get("RUNNING", 0)
+
+    client = openai.OpenAI(base_url=f"{serve_url}/{ZERO_APP}/v1", api_key="none", max_retries=0)
+    wait_for(lambda: replicas() == 0, 90, "scaling to zero replicas")
+    started = time.monotonic()
+    reply = client.completions.create(
+        model="sleepy", prompt=[1, 2, 3], max_tokens=4, extra_body={"ignore_eos": True}, timeout=240
+    )
+    cold_start_s = time.monotonic() - started
+    assert reply.usage.completion_tokens == 4
+    assert replicas() == 1
+    logging.getLogger(__name__).warning("first request at zero replicas: %.1f s", cold_start_s)
+    wait_for(lambda: replicas() == 0, 90, "scaling back to zero")

@@ -85,9 +85,7 @@ def bind_model_server(
 def build_app(args: dict[str, Any]) -> Application:
     config = PlatformConfig.model_validate(args)
     registry = ResidencyRegistryDeployment.bind()
-    servers = [
-        bind_model_server(model, config.adapter_root, registry) for model in config.models
-    ]
+    servers = [bind_model_server(model, config.adapter_root, registry) for model in config.models]
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
         max_ongoing_requests=config.ingress.max_ongoing_requests,

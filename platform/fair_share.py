@@ -47,11 +47,10 @@ class FairShare:
         if floor is not None and floor > self.counter(tenant):
             self._counters[tenant] = floor
 
-    def forget_idle(self, active: Iterable[str]) -> None:
-        """Drops the counters of tenants not in `active` once every tenant is idle
-        (nothing left to compare against), so the map does not grow without bound."""
-        if not any(True for _ in active):
-            self._counters.clear()
+    def clear(self) -> None:
+        """Forgets every counter: the scheduler calls it once no tenant is active (there
+        is nothing left to compare against), so the map does not grow without bound."""
+        self._counters.clear()
 
     def next_tenant(self, heads: Mapping[str, float]) -> str:
         """Of the tenants with a waiting request (tenant -> its head's arrival time),

@@ -369,8 +369,8 @@ class Scheduler:
             self._tenant_requests[request.tenant] -= 1
             if self._tenant_requests[request.tenant] <= 0:
                 del self._tenant_requests[request.tenant]
-                if self.fair_share is not None:
-                    self.fair_share.forget_idle(self._tenant_requests)
+                if self.fair_share is not None and not self._tenant_requests:
+                    self.fair_share.clear()
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
         for sibling in self.fork_waiting.pop(request.request_id, ()):

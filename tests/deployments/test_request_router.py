@@ -15,7 +15,6 @@ import time
 import pytest
 import requests
 
-from loraplex.deployments.residency import STALE_AFTER_S
 from loraplex.deployments.request_router import (
     COLD,
     DEVICE,
@@ -29,6 +28,7 @@ from loraplex.deployments.request_router import (
     prompt_prefix_hashes,
     rank_replicas,
 )
+from loraplex.deployments.residency import STALE_AFTER_S
 from loraplex.deployments.tenants import hash_key
 
 STATS_SETTLE_S = 2.5 * ROUTING_STATS_PERIOD_S

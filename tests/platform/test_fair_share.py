@@ -6,6 +6,8 @@ backlog; a tenant alone gets every place; weights split the places in their rati
 credit is not banked while idle.
 """
 
+import itertools
+
 from test_scheduler import make_group, make_scheduler, step
 
 from loraplex.platform.fair_share import FairShare
@@ -43,9 +45,7 @@ def test_a_tenant_becoming_active_is_lifted_to_the_lowest_active_counter():
     share.charge("d", 70)
     share.activate("d", ["a", "b"])
     assert share.counter("d") == 70.0, "a counter above the floor is kept"
-    share.forget_idle(["a"])
-    assert share.counters(), "kept while any tenant is active"
-    share.forget_idle([])
+    share.clear()
     assert share.counters() == {}
 
 
@@ -71,6 +71,16 @@ def test_a_tenant_alone_gets_every_place():
     assert len(output.scheduled) == 4
 
 
+def test_counters_last_while_a_tenant_is_active_and_go_when_all_are_idle():
+    scheduler = make_scheduler(num_blocks=32, max_num_seqs=1, budget=64, policy="fair")
+    scheduler.add(make_group("a0", [1, 2, 3], max_tokens=3, tenant="a"))
+    scheduler.add(make_group("b0", [1, 2, 3], max_tokens=3, tenant="b"))
+    admissions(scheduler, 4)  # a0 done (prompt step + 2 decodes), b0 running
+    assert scheduler.num_unfinished and set(scheduler.fair_share.counters()) == {"a", "b"}
+    admissions(scheduler, 100)
+    assert not scheduler.num_unfinished and scheduler.fair_share.counters() == {}
+
+
 def test_weights_split_the_places_in_their_ratio():
     scheduler = make_scheduler(num_blocks=32, max_num_seqs=1, budget=64, policy="fair")
     for i in range(12):
@@ -94,5 +104,5 @@ def test_an_idle_tenant_does_not_bank_credit():
     later = admissions(scheduler, 400)
     b_places = [i for i, request_id in enumerate(later) if request_id.startswith("b")]
     assert len(b_places) == 3 and all(
-        second - first == 2 for first, second in zip(b_places, b_places[1:])
+        second - first == 2 for first, second in itertools.pairwise(b_places)
     ), f"b arrived with a's counter, so the two alternate (b does not run 3 in a row): {later}"

@@ -270,7 +270,9 @@ def test_random_add_abort_step_keeps_invariants(
             prompt = [rng.randrange(3) for _ in range(length)]
             group_id = f"r{index}"
             tenant = f"t{priority}"
-            group = make_group(group_id, prompt, max_tokens, n, priority, float(index), tenant=tenant)
+            group = make_group(
+                group_id, prompt, max_tokens, n, priority, float(index), tenant=tenant
+            )
             scheduler.add(group)
             added.append(group_id)
         elif op[0] == "abort" and added:

@@ -9,9 +9,11 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from loraplex.deployments.autoscaling import with_adapter_policy
 from loraplex.deployments.config import (
     ModelDeploymentConfig,
     PlatformConfig,
+    ServerOptions,
     model_deployment_name,
 )
 from loraplex.deployments.ingress import OVERLOAD_RETRY_AFTER_S, OpenAIIngress
@@ -59,7 +61,7 @@ def bind_model_server(
     server = config.server
     check_placement(config.name, replica_bundles(config), server.placement_group_strategy)
     scaling: dict[str, Any] = (
-        {"autoscaling_config": server.autoscaling_config}
+        {"autoscaling_config": with_adapter_policy(server.autoscaling_config)}
         if server.autoscaling_config is not None
         else {"num_replicas": server.num_replicas}
     )
@@ -73,18 +75,27 @@ def bind_model_server(
         max_queued_requests=server.max_queued_requests,
         health_check_period_s=server.health_check_period_s,
         graceful_shutdown_timeout_s=server.graceful_shutdown_timeout_s,
-        request_router_config=RequestRouterConfig(
-            request_router_class=ResidencyRouter,
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-        ),
+        request_router_config=request_router_config(server),
         **scaling,
     )
     return deployment.bind(config, adapter_root, registry)
 
 
+def request_router_config(server: ServerOptions) -> RequestRouterConfig:
+    """The residency router with its options, or Serve's default router (the baseline
+    of scripts/bench_adapter_routing.py); both poll the replicas' routing stats."""
+    if server.request_router == "power_of_two":
+        return RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    return RequestRouterConfig(
+        request_router_class=ResidencyRouter,
+        request_router_kwargs={"prefix_affinity": server.prefix_affinity},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+    )
+
+
 def build_app(args: dict[str, Any]) -> Application:
     config = PlatformConfig.model_validate(args)
-    registry = ResidencyRegistryDeployment.bind()
+    registry = ResidencyRegistryDeployment.bind(replicate_hot_adapters=True)
     servers = [bind_model_server(model, config.adapter_root, registry) for model in config.models]
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress.num_cpus},

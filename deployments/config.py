@@ -47,6 +47,21 @@ class ServerOptions(StrictConfig):
         return value
 
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    adapter_demand_window_s: float = Field(
+        60.0,
+        gt=0,
+        description="autoscaling counts the adapters a replica served this recently as in "
+        "demand (deployments/autoscaling.py)",
+    )
+    request_router: Literal["residency", "power_of_two"] = Field(
+        "residency",
+        description="residency: by adapter tier, prefix affinity and home replica "
+        "(deployments/request_router.py); power_of_two: Ray Serve's default router "
+        "(multiplexed-id matching, then shortest of two queues)",
+    )
+    prefix_affinity: bool = Field(
+        True, description="residency router: send a prompt where its prefix was served last"
+    )
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK",
         description="how a tensor-parallel replica's bundles (one per rank) are placed",

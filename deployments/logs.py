@@ -13,10 +13,13 @@ PLATFORM_LOGGER = "loraplex"
 SERVE_LOGGER = "ray.serve"
 
 
-def send_platform_logs_to_serve(level: int = logging.INFO) -> None:
-    """Gives the `loraplex` logger Serve's handlers (once; idempotent)."""
+def send_platform_logs_to_serve() -> None:
+    """Gives the `loraplex` logger Serve's handlers (once; idempotent) and Serve's level
+    for the replica when that is DEBUG (a deployment's `logging_config: {log_level:
+    DEBUG}`), INFO otherwise."""
     platform = logging.getLogger(PLATFORM_LOGGER)
-    platform.setLevel(level)
+    serve_level = logging.getLogger(SERVE_LOGGER).getEffectiveLevel()
+    platform.setLevel(min(logging.INFO, serve_level))
     platform.propagate = False
     for handler in logging.getLogger(SERVE_LOGGER).handlers:
         if handler not in platform.handlers:

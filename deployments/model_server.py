@@ -48,6 +48,7 @@ from ray.serve.handle import DeploymentHandle
 
 from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.deployments.admission import AdmissionControl
+from loraplex.deployments.autoscaling import ADAPTERS_IN_DEMAND, HOST_ADAPTER_CAPACITY
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
 from loraplex.deployments.config import ModelDeploymentConfig, model_deployment_name
 from loraplex.deployments.logprobs import TokenLogprob, TokenTexts
@@ -194,12 +195,15 @@ class ModelServer:
         async def load_resident(model_id: str) -> ResidentAdapter:
             return await self._load_resident(model_id)
 
-        self._resident = serve.multiplexed(
-            max_num_models_per_replica=max(engine_config.lora.max_cpu_loras, 1)
-        )(load_resident)
+        self._host_adapter_capacity = max(engine_config.lora.max_cpu_loras, 1)
+        self._resident = serve.multiplexed(max_num_models_per_replica=self._host_adapter_capacity)(
+            load_resident
+        )
         self._resident_keys: dict[str, bytes] = {}
         """Multiplexed model id -> adapter key of every adapter this replica holds."""
         self._requests_by_model_id: Counter[str] = Counter()
+        self._adapter_last_request: dict[str, float] = {}
+        """Multiplexed model id -> monotonic time of its latest request here."""
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_stats, daemon=True)
         self._reporter.start()
@@ -236,6 +240,7 @@ class ModelServer:
         self._requests_by_model_id[model_id] += 1
         if not model_id:
             return None
+        self._adapter_last_request[model_id] = time.monotonic()
         return (await self._resident(model_id)).adapter
 
     async def prefetch_adapter(self) -> bool:
@@ -243,13 +248,22 @@ class ModelServer:
         host tier ahead of its first request (the ingress sends one call when a tenant
         registers an adapter). Off the engine loop like every load, so it never holds up
         other requests. False when the adapter is gone by then (deleted or replaced)."""
+        return await self._load_ahead("prefetch")
+
+    async def replicate_adapter(self) -> bool:
+        """As `prefetch_adapter`, for a hot adapter: the registry's replicator
+        (deployments/replication.py) sends it to a replica that lacks the adapter, ahead
+        of the requests the router will then spread here."""
+        return await self._load_ahead("replication")
+
+    async def _load_ahead(self, purpose: str) -> bool:
         model_id = serve.get_multiplexed_model_id()
         try:
             await self._resident(model_id)
         except LookupError as exc:
-            logger.info("prefetch of %s skipped: %s", model_id, exc)
+            logger.info("%s of %s skipped: %s", purpose, model_id, exc)
             return False
-        logger.info("adapter %s prefetched into host memory", model_id)
+        logger.info("adapter %s loaded into host memory (%s)", model_id, purpose)
         return True
 
     async def validate_adapter(self, folder: str, name: str, root: str) -> GenerateError | None:
@@ -349,6 +363,18 @@ class ModelServer:
             "device": sorted(m for m, key in resident.items() if key in in_slots),
             "host": sorted(resident),
             "requests": dict(self._requests_by_model_id),
+        }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (deployments/autoscaling.py): the distinct
+        adapters this replica served within `server.adapter_demand_window_s`, and how
+        many it holds in host memory."""
+        since = time.monotonic() - self.config.server.adapter_demand_window_s
+        recent = {m: t for m, t in self._adapter_last_request.items() if t >= since}
+        self._adapter_last_request = recent
+        return {
+            ADAPTERS_IN_DEMAND: float(len(recent)),
+            HOST_ADAPTER_CAPACITY: float(self._host_adapter_capacity),
         }
 
     def replica_info(self) -> dict:

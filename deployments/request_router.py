@@ -10,6 +10,13 @@ the candidates are ranked by that adapter's tier on them:
     2. host:   the replica holds it in host memory (a slot write away);
     3. cold:   the replica would read it from disk.
 
+A replica the router itself sent the adapter to within the last `PLACEMENT_TTL_S`
+counts as host tier before its routing stats say so (a burst for a cold adapter goes
+where its first request went, not to every replica before the first load is reported).
+When the adapter is cold everywhere, its home replica comes first: the one that ranks
+highest for it by rendezvous hashing, so each cold adapter has one stable place and
+the fleet's host memory holds more distinct adapters instead of copies.
+
 Within a tier, the replica that last served the longest prefix of the request's prompt
 comes first, in a rank of its own (prefix affinity: its prefix cache likely still holds
 that prefix's KV blocks). Prefixes are chained hashes of full chunks of the prompt
@@ -17,6 +24,10 @@ that prefix's KV blocks). Prefixes are chained hashes of full chunks of the prom
 messages), namespaced by adapter and by the tenant's prefix-cache salt, as the engine's
 prefix cache is; the router learns them from where Serve actually sent each request
 (`on_request_routed`) and keeps the newest `MAX_PREFIX_ENTRIES`.
+
+A hot-adapter replication call (`ModelServer.replicate_adapter`, sent by the residency
+registry's replicator, deployments/replication.py) goes the other way: to a replica that
+does not hold the adapter, its home first.
 
 Serve tries the ranks in order and, within a rank, takes the replica with the shortest
 queue that is not full. Two rules keep the preference from piling work onto one replica:
@@ -29,9 +40,11 @@ at debug level with the tiers and queue lengths it saw.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -60,6 +73,13 @@ PREFIX_CHUNK_CHARS = 64
 """Characters per prefix chunk of a text prompt or of chat messages (about 16 tokens)."""
 MAX_PREFIX_CHUNKS = 64
 MAX_PREFIX_ENTRIES = 65536
+PLACEMENT_TTL_S = 10.0
+"""How long a replica the router sent an adapter to counts as holding it without its
+routing stats confirming it (a load, and the next stats report, take less)."""
+MAX_PLACEMENTS = 65536
+REPLICATE_METHOD = "replicate_adapter"
+"""ModelServer's hot-adapter replication call (deployments/replication.py): it goes to a
+replica that does not hold the adapter yet."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,40 @@ def prompt_prefix_hashes(call: object, model_id: str) -> list[int]:
     return hashes
 
 
+def home_replica(model_id: str, replica_ids: Collection[Any]) -> Any:
+    """The replica that ranks highest for `model_id` by rendezvous (highest random
+    weight) hashing: stable while it lives, and a replica leaving or joining moves only
+    the adapters whose home it was or becomes. None for no replicas."""
+    if not replica_ids:
+        return None
+    return max(replica_ids, key=lambda r: _stable_hash(f"{model_id}\x00{_unique(r)}"))
+
+
+class RecentPlacements:
+    """(adapter, replica) pairs the router sent requests to, for `ttl_s` after the last
+    one (oldest first, at most `capacity`)."""
+
+    def __init__(self, ttl_s: float = PLACEMENT_TTL_S, capacity: int = MAX_PLACEMENTS) -> None:
+        self.ttl_s = ttl_s
+        self.capacity = capacity
+        self._until: OrderedDict[tuple[str, Any], float] = OrderedDict()
+
+    def record(self, model_id: str, replica_id: Any, now: float) -> None:
+        key = (model_id, replica_id)
+        self._until[key] = now + self.ttl_s
+        self._until.move_to_end(key)
+        while self._until and (
+            len(self._until) > self.capacity or next(iter(self._until.values())) <= now
+        ):
+            self._until.popitem(last=False)
+
+    def holds(self, model_id: str, replica_id: Any, now: float) -> bool:
+        return self._until.get((model_id, replica_id), 0.0) > now
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
 class PrefixOwners:
     """Prefix hash -> the replica that last served a prompt with that prefix (LRU)."""
 
@@ -138,16 +192,28 @@ class PrefixOwners:
         return len(self._owners)
 
 
+def rank_for_replication(views: Sequence[ReplicaView], home: Any = None) -> list[list[Any]]:
+    """Replica ids for a replication call: those without the adapter (`home` first in a
+    rank alone, then the rest), then those holding it (only if every replica does)."""
+    lacking = [v.replica_id for v in views if v.tier == COLD]
+    holding = [v.replica_id for v in views if v.tier != COLD]
+    ranks = [[home]] if home in lacking else []
+    ranks += [[r for r in lacking if r != home], holding]
+    return [rank for rank in ranks if rank]
+
+
 def rank_replicas(
     views: Sequence[ReplicaView],
     queue_slack: int = QUEUE_SLACK,
     rng: random.Random = random,
     affine: Any = None,
+    home: Any = None,
 ) -> list[list[Any]]:
     """Replica ids in ranks: device, host, cold, then the replicas whose queue exceeds
     the shortest known one by more than `queue_slack`; empty ranks dropped, a rank of
     more than two cut to two drawn at random (its others follow as the next rank).
-    `affine` (the prefix's replica), unless overloaded, leads its tier in a rank alone."""
+    `affine` (the prefix's replica), unless overloaded, leads its tier in a rank alone;
+    then `home` (the adapter's home replica) leads the cold tier in a rank alone."""
     known = [view.queue_len for view in views if view.queue_len is not None]
     shortest = min(known, default=0)
     by_tier: dict[str, list[Any]] = {tier: [] for tier in TIERS}
@@ -158,10 +224,14 @@ def rank_replicas(
         else:
             by_tier[view.tier].append(view.replica_id)
     ranks: list[list[Any]] = []
-    for members in [*by_tier.values(), overloaded]:
-        if affine is not None and affine in members and members is not overloaded:
-            ranks.append([affine])
-            members = [m for m in members if m != affine]
+    for tier, members in [*by_tier.items(), (None, overloaded)]:
+        leaders = [affine] if tier is not None else []
+        if tier == COLD:
+            leaders.append(home)
+        for leader in leaders:
+            if leader is not None and leader in members:
+                ranks.append([leader])
+                members = [m for m in members if m != leader]
         if len(members) > 2:
             chosen = rng.sample(members, 2)
             ranks.append(chosen)
@@ -175,16 +245,27 @@ class ResidencyRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     """Ranks a model's replicas by where the request's adapter sits (module docstring)."""
 
     def initialize_state(
-        self, queue_slack: int = QUEUE_SLACK, prefix_entries: int = MAX_PREFIX_ENTRIES
+        self,
+        queue_slack: int = QUEUE_SLACK,
+        prefix_entries: int = MAX_PREFIX_ENTRIES,
+        prefix_affinity: bool = True,
     ) -> None:
         self.queue_slack = queue_slack
+        self.prefix_affinity = prefix_affinity
         self._prefixes = PrefixOwners(prefix_entries)
+        self._placements = RecentPlacements()
 
     @property
     def prefixes(self) -> PrefixOwners:
         if getattr(self, "_prefixes", None) is None:
             self._prefixes = PrefixOwners()
         return self._prefixes
+
+    @property
+    def placements(self) -> RecentPlacements:
+        if getattr(self, "_placements", None) is None:
+            self._placements = RecentPlacements()
+        return self._placements
 
     async def choose_replicas(
         self,
@@ -194,19 +275,26 @@ class ResidencyRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         model_id = ""
         if pending_request is not None:
             model_id = pending_request.metadata.multiplexed_model_id or ""
-        views = [self._view(replica, model_id) for replica in candidate_replicas]
-        hashes = _request_prefix(pending_request)
+        now = time.monotonic()
+        views = [self._view(replica, model_id, now) for replica in candidate_replicas]
+        hashes = _request_prefix(pending_request) if self._affinity else []
         alive = {view.replica_id for view in views}
         affine, depth = self.prefixes.owner(hashes, alive)
-        ranks = rank_replicas(views, getattr(self, "queue_slack", QUEUE_SLACK), affine=affine)
+        home = home_replica(model_id, alive) if model_id else None
+        if pending_request is not None and pending_request.metadata.call_method == REPLICATE_METHOD:
+            ranks = rank_for_replication(views, home)
+        else:
+            slack = getattr(self, "queue_slack", QUEUE_SLACK)
+            ranks = rank_replicas(views, slack, affine=affine, home=home)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "route %s: %s; prefix %d/%d chunks on %s -> %s",
+                "route %s: %s; prefix %d/%d chunks on %s; home %s -> %s",
                 model_id or "(base)",
                 ", ".join(f"{_short(v.replica_id)}={v.tier}/q{v.queue_len}" for v in views),
                 depth,
                 len(hashes),
                 _short(affine) if affine is not None else "-",
+                _short(home) if home is not None else "-",
                 [[_short(r) for r in rank] for rank in ranks],
             )
         return [[self._replicas[r] for r in rank if r in self._replicas] for rank in ranks]
@@ -214,14 +302,26 @@ class ResidencyRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        """Serve sent the request to `replica_id`: its prompt's prefixes are there now."""
-        hashes = _request_prefix(pending_request)
+        """Serve sent the request to `replica_id`: its prompt's prefixes are there now,
+        and its adapter is, or soon will be."""
+        model_id = pending_request.metadata.multiplexed_model_id or ""
+        if model_id:
+            self.placements.record(model_id, replica_id, time.monotonic())
+        if pending_request.metadata.call_method == REPLICATE_METHOD:
+            return
+        hashes = _request_prefix(pending_request) if self._affinity else []
         if hashes:
             self.prefixes.record(hashes, replica_id)
 
-    def _view(self, replica: RunningReplica, model_id: str) -> ReplicaView:
+    @property
+    def _affinity(self) -> bool:
+        return getattr(self, "prefix_affinity", True)
+
+    def _view(self, replica: RunningReplica, model_id: str, now: float) -> ReplicaView:
         stats = replica.routing_stats or {}
         tier = adapter_tier(stats, set(replica.multiplexed_model_ids), model_id)
+        if tier == COLD and model_id and self.placements.holds(model_id, replica.replica_id, now):
+            tier = HOST
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         return ReplicaView(replica.replica_id, tier, queue_len)
 
@@ -233,6 +333,15 @@ def _request_prefix(pending_request: PendingRequest | None) -> list[int]:
     return prompt_prefix_hashes(pending_request.args[0], model_id)
 
 
-def _short(replica_id: ReplicaID) -> str:
+def _unique(replica_id: Any) -> str:
     unique = getattr(replica_id, "unique_id", None)
-    return str(unique if unique is not None else replica_id)[:8]
+    return str(unique if unique is not None else replica_id)
+
+
+def _short(replica_id: ReplicaID) -> str:
+    return _unique(replica_id)[:8]
+
+
+def _stable_hash(text: str) -> int:
+    """A hash every router process agrees on (Python's `hash` of a str is salted)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")

@@ -12,17 +12,24 @@ Demand: from the cumulative request counts of successive reports the registry ke
 per replica and adapter, the requests of the last `DEMAND_WINDOW_S` seconds.
 
 The router does not read this registry: Serve hands it each replica's routing stats
-directly (deployments/request_router.py); both come from the same replica state.
+directly (deployments/request_router.py); both come from the same replica state. The
+registry's own `HotAdapterReplicator` (deployments/replication.py) reads it to load hot
+adapters on more replicas.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from ray import serve
+
+from loraplex.deployments.config import model_deployment_name
+from loraplex.deployments.logs import send_platform_logs_to_serve
+from loraplex.deployments.replication import RESULT_TIMEOUT_S, HotAdapterReplicator, Replication
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +80,27 @@ class ResidencyRegistry:
     replica)` removes it; `view(model)` lists the live entries (one model, or all
     with None) with their age and windowed demand, and forgets stale ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, replicate_hot_adapters: bool = False) -> None:
         self._entries: dict[tuple[str, str], _Entry] = {}
+        self._lock = threading.Lock()
+        """publish / withdraw run on the replica's loop, the replicator's view in its thread."""
+        if replicate_hot_adapters:  # deployed: in a Serve replica
+            send_platform_logs_to_serve()
+            self._app = serve.get_replica_context().app_name
+            HotAdapterReplicator(self.view, self._replicate).start()
+
+    def _replicate(self, replication: Replication) -> None:
+        """Has one more replica of the model load the adapter (the router picks one that
+        lacks it) and waits for the load."""
+        handle = serve.get_deployment_handle(model_deployment_name(replication.model), self._app)
+        call = handle.options(multiplexed_model_id=replication.model_id)
+        call.replicate_adapter.remote().result(timeout_s=RESULT_TIMEOUT_S)
 
     def publish(self, report: ReplicaResidency) -> None:
+        with self._lock:
+            self._publish(report)
+
+    def _publish(self, report: ReplicaResidency) -> None:
         now = time.monotonic()
         key = (report.model, report.replica)
         entry = self._entries.get(key)
@@ -87,10 +111,15 @@ class ResidencyRegistry:
         entry.history.append((now, dict(report.requests)))
 
     def withdraw(self, model: str, replica: str) -> None:
-        if self._entries.pop((model, replica), None) is not None:
-            logger.info("replica %s of %s left the residency view", replica, model)
+        with self._lock:
+            if self._entries.pop((model, replica), None) is not None:
+                logger.info("replica %s of %s left the residency view", replica, model)
 
     def view(self, model: str | None = None) -> list[dict]:
+        with self._lock:
+            return self._view(model)
+
+    def _view(self, model: str | None) -> list[dict]:
         now = time.monotonic()
         for key, entry in list(self._entries.items()):
             if now - entry.seen_at > STALE_AFTER_S:

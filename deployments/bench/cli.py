@@ -21,11 +21,13 @@ from loraplex.deployments.bench.client import ClientOptions, RequestRecord, run_
 from loraplex.deployments.bench.offline import OfflineResult, OfflineSpec, run_in_subprocess
 from loraplex.deployments.bench.serve_config import BenchServeConfig
 from loraplex.deployments.bench.server import ServeApp
+from loraplex.deployments.bench.server_counters import ServerCounters, settled_counters
 from loraplex.deployments.bench.workload import (
     BenchRequest,
     WorkloadSpec,
     build_requests,
     model_names,
+    parse_popularity,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,14 @@ def add_parser(bench_kinds: argparse._SubParsersAction) -> None:
         help="comma-separated adapter names ('name' or 'base:name'): requests go round-robin",
     )
     p.add_argument(
+        "--adapter-popularity",
+        type=parse_popularity,
+        default=None,
+        metavar="uniform|zipf:S",
+        help="how requests pick among --adapters: round-robin (uniform, the default) or "
+        "Zipf with exponent S, the first adapter the most popular",
+    )
+    p.add_argument(
         "--compare-base",
         action="store_true",
         help="with --adapters: run each burst on the base model too (alternating) and print "
@@ -66,6 +76,21 @@ def add_parser(bench_kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument(
         "--prefix-len", type=int, default=0, help="shared prefix tokens before each prompt"
+    )
+    p.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=1,
+        help="with --prefix-len: this many distinct prefixes, one drawn per request",
+    )
+    p.add_argument(
+        "--server-counters",
+        action="store_true",
+        help="read loraplex's /metrics before and after each burst and report its adapter "
+        "loads and prefix-cache hit rate",
+    )
+    p.add_argument(
+        "--metrics-key", default=None, help="operator key for /metrics (default: --api-key)"
     )
     p.add_argument(
         "--dataset", type=Path, default=None, help="JSONL: {'prompt': ..., 'output_len': ...}"
@@ -133,6 +158,8 @@ def _bursts(
             request_rate=args.request_rate,
             seed=args.seed + index,
             dataset=args.dataset,
+            zipf_s=args.adapter_popularity,
+            prefix_groups=args.prefix_groups,
         )
         requests = build_requests(spec, pool)
         if args.compare_base and models != (args.model,):
@@ -174,6 +201,14 @@ def _ratios(summaries: Sequence[report.BurstSummary], offline: OfflineResult | N
     return lines
 
 
+def _counters(args: argparse.Namespace) -> ServerCounters | None:
+    """The server's counters before a burst (settled, so the last burst's are in), with
+    --server-counters."""
+    if not args.server_counters:
+        return None
+    return settled_counters(args.url, args.metrics_key or args.api_key)
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="loraplex-bench-serve-") as tmp:
         config = None
@@ -203,6 +238,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 "max_concurrency": args.max_concurrency,
                 "request_rate": args.request_rate,
                 "models": ",".join(models),
+                "adapter_popularity": (
+                    "uniform"
+                    if args.adapter_popularity is None
+                    else f"zipf:{args.adapter_popularity}"
+                ),
+                "prefix_groups": args.prefix_groups,
                 "stream": args.stream,
             },
         )
@@ -223,8 +264,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         )
         summaries, records = [], []
         for label, requests in bursts:
+            before = _counters(args)
             burst: list[RequestRecord] = asyncio.run(run_burst(requests, options, label))
-            summaries.append(report.summarize(label, burst))
+            summary = report.summarize(label, burst)
+            if before is not None:
+                after = settled_counters(args.url, args.metrics_key or args.api_key)
+                summary = dataclasses.replace(summary, server=after.minus(before))
+            summaries.append(summary)
             records.append(burst)
             sys.stdout.write("\n".join(summaries[-1].lines()) + "\n")
             sys.stdout.flush()

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loraplex.deployments.bench.client import RequestRecord
+from loraplex.deployments.bench.server_counters import ServerCounters
 from loraplex.platform.bench import cpu_model, read_loadavg
 
 PERCENTILES = (50, 90, 99)
@@ -72,6 +73,8 @@ class BurstSummary:
     tpot: Distribution
     itl: Distribution
     e2e: Distribution
+    server: ServerCounters | None = None
+    """What the burst cost the server (bench serve --metrics-key)."""
 
     def lines(self) -> list[str]:
         failures = ", ".join(f"{k}: {v}" for k, v in sorted(self.failures.items())) or "none"
@@ -84,6 +87,7 @@ class BurstSummary:
             "  " + self.tpot.line("tpot"),
             "  " + self.itl.line("itl"),
             "  " + self.e2e.line("e2e"),
+            *([self.server.line(self.num_requests)] if self.server is not None else []),
         ]
 
 

@@ -2,9 +2,11 @@
 
 Prompts are either exact-length random token ids (sent as a token list, so no server
 re-tokenizes them and every side sees the same lengths) or a JSONL dataset. Random
-prompts may start with a shared prefix (prefix-cache hits). Requests go round-robin
-over the models given (`base` and `base:adapter` names), and are sent at once
-(closed loop, bounded by the client's concurrency) or at Poisson arrival times.
+prompts may start with a shared prefix (prefix-cache hits), one of `prefix_groups`
+drawn at random per request. Requests go round-robin over the models given (`base` and
+`base:adapter` names), or draw a model per request with Zipf popularity (the first
+model the most popular), and are sent at once (closed loop, bounded by the client's
+concurrency) or at Poisson arrival times.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class WorkloadSpec:
     seed: int = 0
     dataset: Path | None = None
     """JSONL with a "prompt" (text or token ids) and optionally "output_len" per line."""
+    zipf_s: float | None = None
+    """Zipf exponent of the models' popularity (model k drawn with weight 1 / k**s);
+    None: round-robin."""
+    prefix_groups: int = 1
+    """Distinct shared prefixes of `prefix_len` tokens; each request takes one at random."""
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -62,6 +69,10 @@ class WorkloadSpec:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
         if not self.models:
             raise ValueError("no model to send requests to")
+        if self.zipf_s is not None and not self.zipf_s > 0:
+            raise ValueError(f"zipf exponent must be > 0, got {self.zipf_s}")
+        if self.prefix_groups < 1:
+            raise ValueError(f"prefix_groups must be >= 1, got {self.prefix_groups}")
 
 
 def model_names(base: str, adapters: Sequence[str]) -> tuple[str, ...]:
@@ -80,6 +91,26 @@ def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
         offsets.append(now)
         now += rng.expovariate(rate)
     return offsets
+
+
+def zipf_weights(count: int, s: float) -> list[float]:
+    """Probabilities of ranks 1..count under Zipf's law with exponent `s`."""
+    weights = [1.0 / rank**s for rank in range(1, count + 1)]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def parse_popularity(text: str) -> float | None:
+    """'uniform' -> None (round-robin); 'zipf:S' -> S."""
+    if text == "uniform":
+        return None
+    kind, _, exponent = text.partition(":")
+    try:
+        if kind == "zipf":
+            return float(exponent)
+    except ValueError:
+        pass
+    raise ValueError(f"popularity {text!r}: use 'uniform' or 'zipf:S' (e.g. zipf:1.1)")
 
 
 def read_dataset(path: Path, default_output_len: int) -> list[tuple[list[int] | str, int]]:
@@ -112,13 +143,22 @@ def build_requests(spec: WorkloadSpec, token_pool: Sequence[int]) -> list[BenchR
     else:
         if not token_pool:
             raise ValueError("no token ids to draw random prompts from")
-        prefix = rng.choices(token_pool, k=spec.prefix_len)
+        prefixes = [rng.choices(token_pool, k=spec.prefix_len) for _ in range(spec.prefix_groups)]
+
+        def prefix() -> list[int]:
+            return prefixes[0] if len(prefixes) == 1 else rng.choice(prefixes)
+
         prompts = [
-            (prefix + rng.choices(token_pool, k=spec.prompt_len), spec.output_len)
+            (prefix() + rng.choices(token_pool, k=spec.prompt_len), spec.output_len)
             for _ in range(spec.num_prompts)
         ]
     offsets = arrival_offsets(spec.num_prompts, spec.request_rate, rng)
+    if spec.zipf_s is None:
+        models = [spec.models[i % len(spec.models)] for i in range(spec.num_prompts)]
+    else:
+        weights = zipf_weights(len(spec.models), spec.zipf_s)
+        models = rng.choices(spec.models, weights, k=spec.num_prompts)
     return [
-        BenchRequest(i, spec.models[i % len(spec.models)], prompt, output_len, offsets[i])
+        BenchRequest(i, models[i], prompt, output_len, offsets[i])
         for i, (prompt, output_len) in enumerate(prompts)
     ]

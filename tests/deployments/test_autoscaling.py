@@ -1,18 +1,94 @@
 """Autoscaling a model deployment 1 -> 2 -> 1 replicas under load, and multiplexed
-routing of an adapter's calls to the replica that holds it; a model with
+routing of an adapter's calls to the replica that holds it; 1 -> 2 -> 1 under one
+client's requests spread over more adapters than a replica holds (the adapter
+working-set policy, deployments/autoscaling.py, also unit-tested here); a model with
 `min_replicas: 0` scaling to zero when idle and back on its first request (the cold
-start is logged). Each is a further Serve app on the session's Ray cluster."""
+start is logged). Each served case is a further Serve app on the session's Ray cluster."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 
 import openai
 import pytest
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from loraplex.deployments.autoscaling import (
+    ADAPTER_POLICY,
+    ADAPTERS_IN_DEMAND,
+    HOST_ADAPTER_CAPACITY,
+    adapter_working_set_policy,
+    replicas_for_adapters,
+    with_adapter_policy,
+)
 
 APP = "scaling"
+
+
+def test_the_adapters_in_demand_need_their_sum_over_one_replicas_capacity():
+    assert replicas_for_adapters({"a": 5, "b": 4}, {"a": 4, "b": 4}) == 3
+    assert replicas_for_adapters({"a": 4, "b": 4}, {"a": 4, "b": 4}) == 2
+    assert replicas_for_adapters({"a": 0}, {"a": 4}) == 0
+    assert replicas_for_adapters({"a": 3}, {}) == 0, "no capacity reported yet"
+
+
+def test_autoscaled_models_get_the_adapter_policy_unless_they_name_one():
+    config = {"min_replicas": 1, "max_replicas": 4}
+    assert with_adapter_policy(config)["policy"] == {"policy_function": ADAPTER_POLICY}
+    own = {**config, "policy": {"policy_function": "mine:policy"}}
+    assert with_adapter_policy(own) == own
+    assert AutoscalingConfig(**with_adapter_policy(config)).policy.get_policy() is not None
+
+
+def policy_context(ongoing: float, in_demand: list[float], max_replicas: int = 4, state=None):
+    deployment = DeploymentID(name="model-m", app_name="app")
+    replicas = [ReplicaID(f"r{i}", deployment) for i in range(len(in_demand))]
+    config = AutoscalingConfig(min_replicas=1, max_replicas=max_replicas)
+    return AutoscalingContext(
+        deployment_id=deployment,
+        deployment_name="model-m",
+        app_name="app",
+        current_num_replicas=len(replicas),
+        target_num_replicas=len(replicas),
+        running_replicas=replicas,
+        total_num_requests=ongoing,
+        total_queued_requests=0.0,
+        aggregated_metrics={
+            ADAPTERS_IN_DEMAND: dict(zip(replicas, in_demand, strict=True)),
+            HOST_ADAPTER_CAPACITY: dict.fromkeys(replicas, 4.0),
+        },
+        raw_metrics=None,
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=max_replicas,
+        policy_state=state or {},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=None,
+        config=config,
+    )
+
+
+def test_the_policy_takes_the_larger_of_the_queue_and_the_adapters_within_bounds(caplog):
+    target = AutoscalingConfig(min_replicas=1, max_replicas=4).get_target_ongoing_requests()
+    with caplog.at_level(logging.INFO, logger="ray.serve.loraplex.autoscaling"):
+        quiet, _ = adapter_working_set_policy(policy_context(1, [4]))
+        assert quiet == 1 and not caplog.text, "the adapters fit: the queue and the bounds"
+        busy, _ = adapter_working_set_policy(policy_context(3 * target, [4]))
+        assert busy == pytest.approx(3) and not caplog.text
+        spread, state = adapter_working_set_policy(policy_context(1, [7, 5]))
+    assert spread == 3 and "12.0 adapters in demand over 2 replicas need 3" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ray.serve.loraplex.autoscaling"):
+        again, _ = adapter_working_set_policy(policy_context(1, [7, 5], state=state))
+    assert again == 3 and not caplog.text, "one log line per decision"
+    busy, _ = adapter_working_set_policy(policy_context(3 * target, [3, 3]))
+    assert busy == pytest.approx(3), "the queue decides when it asks for more"
+    capped, _ = adapter_working_set_policy(policy_context(1, [30], max_replicas=2))
+    assert capped == 2
 
 
 def running_replicas(serve) -> int:
@@ -171,3 +247,68 @@ def test_a_model_scales_to_zero_and_the_first_request_brings_it_back(zero_app, s
     assert replicas() == 1
     logging.getLogger(__name__).warning("first request at zero replicas: %.1f s", cold_start_s)
     wait_for(lambda: replicas() == 0, 90, "scaling back to zero")
+
+
+SPREAD_APP = "spread"
+
+
+@pytest.fixture(scope="module")
+def spread_app(serve_setup, tmp_path_factory):
+    """A model whose replicas hold one adapter each in host memory, autoscaled 1..2 with a
+    queue target no single client reaches; its three shared adapters."""
+    from ray import serve
+
+    from loraplex.deployments.app import build_app
+
+    config = {
+        "adapter_root": str(tmp_path_factory.mktemp("spread-root")),
+        "models": [
+            {
+                "name": "spready",
+                "model": str(serve_setup.base),
+                "engine": {
+                    "max_model_len": 128,
+                    "max_lora_rank": 8,
+                    "max_loras": 1,
+                    "max_cpu_loras": 1,
+                },
+                "adapters": {name: str(folder) for name, folder in serve_setup.shared.items()},
+                "server": {
+                    "num_cpus": 0.1,
+                    "adapter_demand_window_s": 4,
+                    "autoscaling_config": {
+                        "min_replicas": 1,
+                        "max_replicas": 2,
+                        "target_ongoing_requests": 8,
+                        "upscale_delay_s": 0,
+                        "downscale_delay_s": 2,
+                        "metrics_interval_s": 0.5,
+                        "look_back_period_s": 1,
+                    },
+                },
+            }
+        ],
+    }
+    serve.run(build_app(config), name=SPREAD_APP, route_prefix=f"/{SPREAD_APP}")
+    yield serve, sorted(serve_setup.shared)
+    serve.delete(SPREAD_APP)
+
+
+def test_adapter_spread_load_adds_a_replica_and_its_end_removes_it(spread_app, serve_url):
+    serve, adapters = spread_app
+
+    def replicas() -> int:
+        status = serve.status().applications[SPREAD_APP].deployments["model-spready"]
+        return status.replica_states.get("RUNNING", 0)
+
+    client = openai.OpenAI(base_url=f"{serve_url}/{SPREAD_APP}/v1", api_key="none", max_retries=0)
+    assert replicas() == 1
+    names = itertools.cycle(adapters)
+    deadline = time.monotonic() + 90
+    while replicas() < 2:
+        assert time.monotonic() < deadline, "no second replica for the adapters in demand"
+        reply = client.completions.create(
+            model=f"spready:{next(names)}", prompt=[1, 2], max_tokens=2, timeout=60
+        )
+        assert reply.usage.completion_tokens == 2
+    wait_for(lambda: replicas() == 1, 90, "scaling back to one replica after the load")

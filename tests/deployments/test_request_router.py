@@ -15,6 +15,7 @@ import time
 import pytest
 import requests
 
+from loraplex.deployments.replication import HOT_MIN_REQUESTS, PERIOD_S
 from loraplex.deployments.request_router import (
     COLD,
     DEVICE,
@@ -23,8 +24,10 @@ from loraplex.deployments.request_router import (
     PREFIX_CHUNK_TOKENS,
     ROUTING_STATS_PERIOD_S,
     PrefixOwners,
+    RecentPlacements,
     ReplicaView,
     adapter_tier,
+    home_replica,
     prompt_prefix_hashes,
     rank_replicas,
 )
@@ -86,6 +89,42 @@ def test_the_prefix_replica_leads_its_tier_unless_overloaded():
     assert rank_replicas(views, affine="a") == [["a"], ["b", "c"], ["d"]]
     assert rank_replicas(views, affine="d") == [["a"], ["b", "c"], ["d"]], "d is overloaded"
     assert rank_replicas(views, affine="gone") == [["a"], ["b", "c"], ["d"]]
+
+
+def test_the_home_replica_leads_the_cold_tier_after_the_prefix_replica():
+    views = [ReplicaView("a", HOST, 0), ReplicaView("b", COLD, 0), ReplicaView("c", COLD, 0)]
+    assert rank_replicas(views, home="c") == [["a"], ["c"], ["b"]]
+    assert rank_replicas(views, home="a") == [["a"], ["b", "c"]], "home only orders the cold"
+    assert rank_replicas(views, affine="b", home="c") == [["a"], ["b"], ["c"]]
+    busy = [ReplicaView("b", COLD, 0), ReplicaView("c", COLD, 9)]
+    assert rank_replicas(busy, home="c") == [["b"], ["c"]], "an overloaded home waits"
+
+
+def test_home_replicas_are_stable_spread_and_move_little_when_a_replica_leaves():
+    replicas = [f"r{i}" for i in range(4)]
+    adapters = [f"acme/lora-{i}@1" for i in range(400)]
+    homes = {a: home_replica(a, replicas) for a in adapters}
+    assert homes == {a: home_replica(a, list(reversed(replicas))) for a in adapters}
+    counts = [list(homes.values()).count(r) for r in replicas]
+    assert min(counts) > 60, f"spread over the replicas: {counts}"
+    after = {a: home_replica(a, replicas[:3]) for a in adapters}
+    moved = [a for a in adapters if after[a] != homes[a]]
+    assert {homes[a] for a in moved} == {"r3"}, "only the gone replica's adapters move"
+    assert home_replica("x", []) is None
+
+
+def test_recent_placements_count_until_they_expire_and_stay_bounded():
+    placements = RecentPlacements(ttl_s=10, capacity=3)
+    placements.record("a", "r1", now=0)
+    assert placements.holds("a", "r1", now=9.9) and not placements.holds("a", "r2", now=1)
+    assert not placements.holds("a", "r1", now=10)
+    placements.record("a", "r1", now=5)
+    assert placements.holds("a", "r1", now=14), "a later request renews it"
+    for i, replica in enumerate(["r2", "r3", "r4"]):
+        placements.record("b", replica, now=6 + i)
+    assert len(placements) == 3 and not placements.holds("a", "r1", now=9)
+    placements.record("c", "r1", now=30)
+    assert len(placements) == 1, "expired entries go"
 
 
 class Call:
@@ -369,6 +408,29 @@ def test_a_deleted_adapter_leaves_the_disk_tier(pair_app, serve_setup, operator_
     response = requests.delete(f"{url}/v1/adapters/pair/brief", timeout=60)
     assert response.status_code == 200, response.text
     assert "brief" not in {_name(m) for m in residency_view(url, operator_key)["disk"]}
+
+
+def test_a_hot_adapter_is_loaded_on_the_other_replica_before_its_requests_go_there(pair_app):
+    """40 requests in a row for one adapter are most of the app's demand: the registry's
+    replicator loads it on the replica that lacks it (deployments/replication.py), which
+    serves none of its requests before (one at a time, they stay with the holder)."""
+    url, adapters = pair_app
+    actors = replica_actors()
+    adapter = adapters[1]
+    complete(url, f"pair:{adapter}")
+    state = residency(actors)
+    model_id = next(m for s in state for m in s["requests"] if _name(m) == adapter)
+    lacking = [i for i in range(2) if model_id not in state[i][HOST]]
+    assert len(lacking) == 1, f"one replica holds it: {state}"
+    served_before = state[lacking[0]]["requests"].get(model_id, 0)
+    for _ in range(HOT_MIN_REQUESTS * 2):
+        complete(url, f"pair:{adapter}")
+    deadline = time.monotonic() + PERIOD_S + STALE_AFTER_S + 20
+    while model_id not in state[lacking[0]][HOST]:
+        assert time.monotonic() < deadline, f"not replicated: {state}"
+        time.sleep(0.5)
+        state = residency(actors)
+    assert state[lacking[0]]["requests"].get(model_id, 0) == served_before, "loaded ahead"
 
 
 def test_a_killed_replica_leaves_the_residency_view(pair_app, operator_key):

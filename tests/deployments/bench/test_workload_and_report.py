@@ -16,6 +16,8 @@ from loraplex.deployments.bench.workload import (
     arrival_offsets,
     build_requests,
     model_names,
+    parse_popularity,
+    zipf_weights,
 )
 
 POOL = list(range(10, 60))
@@ -31,6 +33,34 @@ def test_random_prompts_have_exact_lengths_a_shared_prefix_and_round_robin_model
     assert all(set(r.prompt) <= set(POOL) and r.output_len == 5 for r in requests)
     assert build_requests(spec, POOL) == requests
     assert build_requests(WorkloadSpec(7, 12, 5, ("b",), seed=4), POOL) != requests
+
+
+def test_zipf_popularity_favours_the_first_models_as_the_law_says():
+    models = tuple(f"b:a{i}" for i in range(8))
+    spec = WorkloadSpec(4000, 4, 2, models, seed=5, zipf_s=1.1)
+    requests = build_requests(spec, POOL)
+    counts = [sum(r.model == m for r in requests) for m in models]
+    weights = zipf_weights(8, 1.1)
+    assert sum(weights) == pytest.approx(1.0)
+    assert weights[0] / weights[1] == pytest.approx(2**1.1)
+    for count, weight in zip(counts, weights, strict=True):
+        assert count / 4000 == pytest.approx(weight, abs=0.02)
+    assert build_requests(spec, POOL) == requests
+    assert parse_popularity("zipf:1.1") == 1.1 and parse_popularity("uniform") is None
+    with pytest.raises(ValueError, match="zipf:S"):
+        parse_popularity("zipf")
+    with pytest.raises(ValueError, match="zipf exponent"):
+        WorkloadSpec(1, 1, 1, ("m",), zipf_s=0)
+
+
+def test_prefix_groups_give_each_request_one_of_several_shared_prefixes():
+    spec = WorkloadSpec(60, 5, 2, ("b",), prefix_len=8, prefix_groups=3, seed=2)
+    requests = build_requests(spec, POOL)
+    prefixes = [tuple(r.prompt[:8]) for r in requests]
+    assert len(set(prefixes)) == 3 and all(r.prompt_len == 13 for r in requests)
+    assert min(prefixes.count(p) for p in set(prefixes)) > 5
+    with pytest.raises(ValueError, match="prefix_groups"):
+        WorkloadSpec(1, 1, 1, ("m",), prefix_groups=0)
 
 
 def test_model_names():

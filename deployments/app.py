@@ -13,7 +13,6 @@ from loraplex.deployments.autoscaling import with_adapter_policy
 from loraplex.deployments.config import (
     ModelDeploymentConfig,
     PlatformConfig,
-    ServerOptions,
     model_deployment_name,
 )
 from loraplex.deployments.ingress import OVERLOAD_RETRY_AFTER_S, OpenAIIngress
@@ -75,20 +74,29 @@ def bind_model_server(
         max_queued_requests=server.max_queued_requests,
         health_check_period_s=server.health_check_period_s,
         graceful_shutdown_timeout_s=server.graceful_shutdown_timeout_s,
-        request_router_config=request_router_config(server),
+        request_router_config=request_router_config(config),
         **scaling,
     )
     return deployment.bind(config, adapter_root, registry)
 
 
-def request_router_config(server: ServerOptions) -> RequestRouterConfig:
+def request_router_config(config: ModelDeploymentConfig) -> RequestRouterConfig:
     """The residency router with its options, or Serve's default router (the baseline
-    of scripts/bench_adapter_routing.py); both poll the replicas' routing stats."""
+    of scripts/bench_adapter_routing.py); both poll the replicas' routing stats.
+
+    The residency router's queue guard lets a replica's queue exceed the shortest by one
+    full batch (`max_num_seqs`) before it loses its adapter's or prefix's preference:
+    below that, the request joins the holder's running batch; above it, it would wait
+    there for a place while another replica could start it after one adapter load."""
+    server = config.server
     if server.request_router == "power_of_two":
         return RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     return RequestRouterConfig(
         request_router_class=ResidencyRouter,
-        request_router_kwargs={"prefix_affinity": server.prefix_affinity},
+        request_router_kwargs={
+            "prefix_affinity": server.prefix_affinity,
+            "queue_slack": config.engine_config().scheduler.max_num_seqs,
+        },
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
     )
 

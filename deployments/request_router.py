@@ -10,8 +10,8 @@ the candidates are ranked by that adapter's tier on them:
     2. host:   the replica holds it in host memory (a slot write away);
     3. cold:   the replica would read it from disk.
 
-A replica the router itself sent the adapter to within the last `PLACEMENT_TTL_S`
-counts as host tier before its routing stats say so (a burst for a cold adapter goes
+A replica the router itself sent the adapter to (a call that loads it: a generation,
+a prefetch, a replication) within the last `PLACEMENT_TTL_S` counts as host tier before its routing stats say so (a burst for a cold adapter goes
 where its first request went, not to every replica before the first load is reported).
 When the adapter is cold everywhere, its home replica comes first: the one that ranks
 highest for it by rendezvous hashing, so each cold adapter has one stable place and
@@ -32,7 +32,8 @@ does not hold the adapter, its home first.
 Serve tries the ranks in order and, within a rank, takes the replica with the shortest
 queue that is not full. Two rules keep the preference from piling work onto one replica:
 a replica whose queue is longer than the shortest known queue by more than
-`queue_slack` goes to a last rank of its own, whatever its tier; and a rank of more than
+`queue_slack` (a model deployment's `max_num_seqs`: one full batch) goes to a last rank
+of its own, whatever its tier; and a rank of more than
 two replicas offers two of them at random (power of two choices) so routing stays cheap
 on a large fleet. A base-model request has one tier everywhere. Each decision is logged
 at debug level with the tiers and queue lengths it saw.
@@ -64,7 +65,8 @@ logger = logging.getLogger(__name__)
 DEVICE, HOST, COLD = "device", "host", "cold"
 TIERS = (DEVICE, HOST, COLD)
 QUEUE_SLACK = 4
-"""Requests a replica's queue may exceed the shortest one by and keep its tier's rank."""
+"""Requests a replica's queue may exceed the shortest one by and keep its tier's rank
+(the model deployments pass their engine's `max_num_seqs`, deployments/app.py)."""
 ROUTING_STATS_PERIOD_S = 1.0
 """How often Serve asks each model replica for its residency (`record_routing_stats`)."""
 PREFIX_CHUNK_TOKENS = 16
@@ -80,6 +82,9 @@ MAX_PLACEMENTS = 65536
 REPLICATE_METHOD = "replicate_adapter"
 """ModelServer's hot-adapter replication call (deployments/replication.py): it goes to a
 replica that does not hold the adapter yet."""
+LOADING_METHODS = frozenset({"generate", "prefetch_adapter", REPLICATE_METHOD})
+"""ModelServer calls that load their multiplexed model id's adapter where they run (the
+others, such as `replica_info`, leave no placement behind)."""
 
 
 @dataclass(frozen=True)
@@ -305,7 +310,7 @@ class ResidencyRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         """Serve sent the request to `replica_id`: its prompt's prefixes are there now,
         and its adapter is, or soon will be."""
         model_id = pending_request.metadata.multiplexed_model_id or ""
-        if model_id:
+        if model_id and pending_request.metadata.call_method in LOADING_METHODS:
             self.placements.record(model_id, replica_id, time.monotonic())
         if pending_request.metadata.call_method == REPLICATE_METHOD:
             return

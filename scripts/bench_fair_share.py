@@ -9,11 +9,13 @@ It prints light's TTFT p50 / p99 in both phases and their ratio, what each tenan
 (completed, refused, output tok/s), the CPU model and the load. The figures of record
 are in the README (Tenant fair share).
 
-Usage: .venv/bin/python scripts/bench_fair_share.py [OUTPUT_DIR]
+Usage: .venv/bin/python scripts/bench_fair_share.py [OUTPUT_DIR] [--policies fair,fcfs]
+       [--max-num-batched-tokens N]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import subprocess
@@ -68,9 +70,10 @@ def summary(out: Path) -> dict:
     }
 
 
-def run_policy(policy: str, out: Path) -> dict:
+def run_policy(policy: str, out: Path, engine_options: dict) -> dict:
     config = yaml.safe_load(CONFIG.read_text())
-    config["applications"][0]["args"]["models"][0]["engine"]["policy"] = policy
+    engine = config["applications"][0]["args"]["models"][0]["engine"]
+    engine.update(engine_options, policy=policy)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -98,9 +101,24 @@ def run_policy(policy: str, out: Path) -> dict:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "bench-fair-share-results").resolve()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir", nargs="?", default="bench-fair-share-results")
+    parser.add_argument("--policies", default="fair,fcfs")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the engine's step budget (default: the config's)",
+    )
+    args = parser.parse_args()
+    out = Path(args.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    results = {policy: run_policy(policy, out) for policy in ("fair", "fcfs")}
+    engine_options = {}
+    if args.max_num_batched_tokens is not None:
+        engine_options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    results = {
+        policy: run_policy(policy, out, engine_options) for policy in args.policies.split(",")
+    }
     (out / "fair_share.json").write_text(json.dumps(results, indent=1))
     logger.info("machine: %s; light %.1f req/s, heavy %.1f req/s, %d -> %d tokens",
                 cpu_model(), LIGHT_RATE, HEAVY_RATE, PROMPT_LEN, OUTPUT_LEN)  # fmt: skip

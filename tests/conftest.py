@@ -24,6 +24,25 @@ if os.environ[TEST_DEVICE_ENV] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+RAY_TEST_PREFIXES = ("tests/deployments/", "tests/platform/parallel/")
+"""Tests that start Ray (the session's Serve app, `serve run` apps, Ray clusters of their
+own, tensor-parallel workers): one pytest-xdist worker runs them all, in order, while
+the other runs the rest, module by module (pyproject: `-n 2`)."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with every Ray test in one scope, the largest, so the
+    first worker takes it whole and never starts a second Ray beside the first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if nodeid.startswith(RAY_TEST_PREFIXES) else super()._split_scope(nodeid)
+
+    return RayTestsTogether(config, log)
+
+
 TINY_VOCAB = 512
 
 

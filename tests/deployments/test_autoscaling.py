@@ -173,7 +173,10 @@ def test_scales_up_under_load_routes_adapters_to_their_replica_and_scales_down(
         client.completions.create(model="scaly:sa", prompt=[4, 5], max_tokens=2)
         handle = serve.get_deployment_handle("model-scaly", app_name=APP)
         model_id = "shared/sa@0"
-        time.sleep(2)  # the replica reports its resident ids to the controller
+        # The replica reports its resident ids to the controller, and this process's
+        # new router polls the replicas' routing stats: one call, then their periods.
+        handle.options(multiplexed_model_id=model_id).replica_info.remote().result()
+        time.sleep(2)
         infos = [
             handle.options(multiplexed_model_id=model_id).replica_info.remote().result()
             for _ in range(8)

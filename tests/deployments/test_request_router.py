@@ -175,6 +175,14 @@ def test_every_model_deployment_routes_with_it(tiny_model_factory, tmp_path):
     router = deployment._deployment_config.request_router_config
     assert router.request_router_class == "loraplex.deployments.request_router.ResidencyRouter"
     assert router.request_routing_stats_period_s == ROUTING_STATS_PERIOD_S
+    max_num_seqs = config.engine_config().scheduler.max_num_seqs
+    assert router.request_router_kwargs == {"prefix_affinity": True, "queue_slack": max_num_seqs}
+    baseline = ModelDeploymentConfig(
+        name="m", model=config.model, server={"request_router": "power_of_two"}
+    )
+    deployment = bind_model_server(baseline, str(tmp_path))._bound_deployment
+    router = deployment._deployment_config.request_router_config
+    assert router.request_router_class.endswith("PowerOfTwoChoicesRequestRouter")
 
 
 # ---- served ---------------------------------------------------------------------------

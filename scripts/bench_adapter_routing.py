@@ -23,12 +23,12 @@ import logging
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
-from loraplex.deployments.check.probes import http_status
+from loraplex.deployments.bench.report import first_burst_figures
+from loraplex.deployments.bench.server import wait_until_stopped
 from loraplex.platform.bench import cpu_model, read_loadavg
 
 logger = logging.getLogger("bench_adapter_routing")
@@ -41,7 +41,6 @@ MAX_CONCURRENCY = 8
 """Closed loop: TTFT is the router's and the replicas' doing, not a queue's growth."""
 ADAPTERS, ZIPF_S = 32, 1.1
 PREFIX_LEN, PREFIX_GROUPS = 128, 32
-PORT_FREE_TIMEOUT_S = 120.0
 
 SCENARIOS = {
     "adapters": {
@@ -89,19 +88,12 @@ def run(scenario: str, variant: str, seed: int, out: Path) -> dict:
         load_before = read_loadavg()
         with (out / "client.log").open("w") as log:
             subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True, cwd=ROOT)
-    deadline = time.monotonic() + PORT_FREE_TIMEOUT_S
-    while http_status(f"{URL}/health", None) and time.monotonic() < deadline:
-        time.sleep(2)  # the stopped app's Ray processes let go of the port
-    burst = json.loads((out / "bench_serve.json").read_text())["bursts"][0]
-    server = burst["server"]
+    wait_until_stopped(URL)
+    figures = first_burst_figures(out / "bench_serve.json")
+    server = figures.pop("server")
     result = {
-        "completed": burst["completed"],
-        "sent": burst["num_requests"],
-        "failures": burst["failures"],
-        "ttft_p50_s": burst["ttft"]["p50_ms"] / 1000,
-        "ttft_p99_s": burst["ttft"]["p99_ms"] / 1000,
-        "tok_s": burst["output_tok_s"],
-        "loads_per_1000": 1000 * server["adapter_loads"] / burst["num_requests"],
+        **figures,
+        "loads_per_1000": 1000 * server["adapter_loads"] / figures["sent"],
         "prefix_hit_rate": server["prefix_hits"] / max(server["prefix_queries"], 1),
         "load_before": load_before,
         "load_after": read_loadavg(),

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from loraplex.deployments.bench.server import ServeApp
-from loraplex.deployments.check.probes import http_status
+from loraplex.deployments.bench.report import first_burst_figures
+from loraplex.deployments.bench.server import ServeApp, wait_until_stopped
 from loraplex.platform.bench import cpu_model, read_loadavg
 
 logger = logging.getLogger("bench_fair_share")
@@ -42,7 +42,6 @@ LIGHT_PROMPTS = 30
 HEAVY_RATE = 10 * LIGHT_RATE
 HEAVY_HEAD_START_S = 15.0
 PROMPT_LEN, OUTPUT_LEN = 64, 16
-PORT_FREE_TIMEOUT_S = 120.0
 
 
 def bench(tenant: str, rate: float, prompts: int, seed: int, out: Path) -> subprocess.Popen:
@@ -56,18 +55,6 @@ def bench(tenant: str, rate: float, prompts: int, seed: int, out: Path) -> subpr
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "client.log").open("w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-
-
-def summary(out: Path) -> dict:
-    burst = json.loads((out / "bench_serve.json").read_text())["bursts"][0]
-    return {
-        "completed": burst["completed"],
-        "sent": burst["num_requests"],
-        "failures": burst["failures"],
-        "ttft_p50": burst["ttft"]["p50_ms"] / 1000,
-        "ttft_p99": burst["ttft"]["p99_ms"] / 1000,
-        "tok_s": burst["output_tok_s"],
-    }
 
 
 def run_policy(policy: str, out: Path, engine_options: dict) -> dict:
@@ -88,13 +75,11 @@ def run_policy(policy: str, out: Path, engine_options: dict) -> dict:
             bench("light", LIGHT_RATE, LIGHT_PROMPTS, 2, out / policy / "together").wait()
             load["together"] = read_loadavg()
             heavy.wait()
-    deadline = time.monotonic() + PORT_FREE_TIMEOUT_S
-    while http_status(f"{URL}/health", None) and time.monotonic() < deadline:
-        time.sleep(2)  # the stopped app's Ray processes let go of the port
+    wait_until_stopped(URL)
     return {
-        "alone": summary(out / policy / "alone"),
-        "together": summary(out / policy / "together"),
-        "heavy": summary(out / policy / "heavy"),
+        "alone": first_burst_figures(out / policy / "alone" / "bench_serve.json"),
+        "together": first_burst_figures(out / policy / "together" / "bench_serve.json"),
+        "heavy": first_burst_figures(out / policy / "heavy" / "bench_serve.json"),
         "load": load,
     }
 
@@ -127,8 +112,8 @@ def main() -> None:
         logger.info(
             "%s: light TTFT p50/p99 alone %.3f/%.3f s, with heavy %.3f/%.3f s (p99 %.2fx); "
             "light %d/%d ok %s; heavy %d/%d ok %s, %.1f tok/s; loadavg %s",
-            policy, alone["ttft_p50"], alone["ttft_p99"], together["ttft_p50"],
-            together["ttft_p99"], together["ttft_p99"] / alone["ttft_p99"],
+            policy, alone["ttft_p50_s"], alone["ttft_p99_s"], together["ttft_p50_s"],
+            together["ttft_p99_s"], together["ttft_p99_s"] / alone["ttft_p99_s"],
             together["completed"], together["sent"], together["failures"],
             heavy["completed"], heavy["sent"], heavy["failures"], heavy["tok_s"], result["load"],
         )  # fmt: skip

@@ -202,7 +202,7 @@ def _ratios(summaries: Sequence[report.BurstSummary], offline: OfflineResult | N
 
 
 def _counters(args: argparse.Namespace) -> ServerCounters | None:
-    """The server's counters before a burst (settled, so the last burst's are in), with
+    """The server's counters once settled (so the last burst's are in), with
     --server-counters."""
     if not args.server_counters:
         return None
@@ -267,8 +267,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             before = _counters(args)
             burst: list[RequestRecord] = asyncio.run(run_burst(requests, options, label))
             summary = report.summarize(label, burst)
-            if before is not None:
-                after = settled_counters(args.url, args.metrics_key or args.api_key)
+            after = _counters(args)
+            if before is not None and after is not None:
                 summary = dataclasses.replace(summary, server=after.minus(before))
             summaries.append(summary)
             records.append(burst)

@@ -157,6 +157,22 @@ def throughput_timeline(records: Sequence[RequestRecord], bin_s: float = 1.0) ->
     return bins
 
 
+def first_burst_figures(path: Path) -> dict:
+    """The headline figures of the first burst in a `bench_serve.json` (for scripts that
+    run several benches and compare them): counts, TTFT p50 / p99 in seconds, output
+    tok/s, and the server counters when they were read (else None)."""
+    burst = json.loads(Path(path).read_text())["bursts"][0]
+    return {
+        "completed": burst["completed"],
+        "sent": burst["num_requests"],
+        "failures": burst["failures"],
+        "ttft_p50_s": burst["ttft"]["p50_ms"] / 1000,
+        "ttft_p99_s": burst["ttft"]["p99_ms"] / 1000,
+        "tok_s": burst["output_tok_s"],
+        "server": burst.get("server"),
+    }
+
+
 def write_json(
     path: Path,
     meta: BenchMeta,

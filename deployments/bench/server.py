@@ -23,6 +23,7 @@ from loraplex.deployments.check.probes import http_status
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 60.0
+PORT_FREE_TIMEOUT_S = 120.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -110,3 +111,11 @@ class ServeApp:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def wait_until_stopped(url: str, timeout_s: float = PORT_FREE_TIMEOUT_S) -> None:
+    """Waits until nothing answers `url`/health: a stopped app's Ray processes let go of
+    its port a little after `serve run` exits, and the next app needs it."""
+    deadline = time.monotonic() + timeout_s
+    while http_status(f"{url}/health", None) and time.monotonic() < deadline:
+        time.sleep(2)

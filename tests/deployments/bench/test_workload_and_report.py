@@ -3,6 +3,7 @@ and its figures (percentiles, failures, Retry-After, timeline), without a server
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -10,7 +11,15 @@ import random
 import pytest
 
 from loraplex.deployments.bench.client import RequestRecord
-from loraplex.deployments.bench.report import percentile, summarize, throughput_timeline
+from loraplex.deployments.bench.report import (
+    BenchMeta,
+    first_burst_figures,
+    percentile,
+    summarize,
+    throughput_timeline,
+    write_json,
+)
+from loraplex.deployments.bench.server_counters import ServerCounters
 from loraplex.deployments.bench.workload import (
     WorkloadSpec,
     arrival_offsets,
@@ -121,3 +130,21 @@ def test_summary_counts_tokens_failures_and_missing_retry_after():
     assert summary.tpot.mean_ms == pytest.approx((210 / 2 + 210) / 2)  # ends 10 ms after
     assert summary.output_tok_s == pytest.approx(5 / summary.duration_s)
     assert throughput_timeline(records[:2], bin_s=0.5) == [6.0, 4.0]
+
+
+def test_scripts_read_the_first_bursts_figures_back_from_the_json(tmp_path):
+    records = [record(0, [0.1, 0.2, 0.3], 3), record(1, [], 0, status=503, error="busy")]
+    summary = summarize("b", records)
+    counted = dataclasses.replace(summary, server=ServerCounters(2, 100, 60))
+    path = tmp_path / "bench_serve.json"
+    write_json(path, BenchMeta(url="u"), [counted, summary], [records, records])
+    figures = first_burst_figures(path)
+    assert figures == {
+        "completed": 1,
+        "sent": 2,
+        "failures": {"status 503": 1},
+        "ttft_p50_s": pytest.approx(summary.ttft.p50_ms / 1000),
+        "ttft_p99_s": pytest.approx(summary.ttft.p99_ms / 1000),
+        "tok_s": pytest.approx(summary.output_tok_s),
+        "server": {"adapter_loads": 2, "prefix_queries": 100, "prefix_hits": 60},
+    }

@@ -21,7 +21,13 @@ and returns the blocks that only rejected drafts used.
 Fair share (`policy: fair`, platform/fair_share.py): waiting requests are admitted
 from the tenant with the fewest weighted tokens served (FCFS within a tenant); the
 scheduler charges each tenant its computed prompt tokens at admission and its sampled
-tokens after each step.
+tokens after each step. When the batch is full, a waiting tenant may take a place from
+the running tenant holding the most places per weight, as long as it then still holds
+no more places per weight than that tenant (max-min fair places: a move is never
+undone by the reverse move, so places do not churn). The place goes to the claimant's
+head request this step; the donor's request with the least computed work is preempted
+(its full blocks stay in the prefix cache for its recompute). A light tenant's request
+thus starts at the next step instead of waiting for a heavy tenant's request to end.
 
 LoRA: at most `max_loras` distinct adapters run at once (one device slot each). A
 waiting request whose adapter would need a slot while all are taken is skipped, and
@@ -171,6 +177,7 @@ class Scheduler:
         preempted: list[Request] = []
         chunked = self.config.enable_chunked_prefill
 
+        claimants = self._reclaim_places(preempted)
         self.running.sort(key=self._rank)
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
@@ -191,8 +198,8 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new, []))
             budget -= num_new
 
-        if not preempted:
-            budget = self._admit_waiting(scheduled, budget)
+        if len(preempted) == len(claimants):  # nothing lost its blocks to a full cache
+            budget = self._admit_waiting(scheduled, budget, claimants)
         if self.proposer is not None:
             self._add_drafts(scheduled, budget)
 
@@ -214,12 +221,82 @@ class Scheduler:
         """Identity keys of the adapters running requests use (each holds a slot)."""
         return {r.adapter_key for r in self.running if r.adapter_key is not None}
 
-    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+    def _reclaim_places(self, preempted: list[Request]) -> list[Request]:
+        """Under `fair` with a full batch, before the step is filled: moves places from
+        over-served running tenants to waiting ones (module docstring), preempting one
+        donor request per move into `preempted`. Returns the claimants' head requests,
+        which admission takes first."""
+        if (
+            self.fair_share is None
+            or not len(self.waiting)
+            or len(self.running) < self.config.max_num_seqs
+        ):
+            return []
+        places: Counter[str] = Counter(r.tenant for r in self.running)
+        weights = {r.tenant: r.tenant_weight for r in self.running}
+        queues: dict[str, deque[Request]] = {}
+        for request in self.waiting:
+            queues.setdefault(request.tenant, deque()).append(request)
+            weights.setdefault(request.tenant, request.tenant_weight)
+        adapters = self.running_adapters()
+        claimants: list[Request] = []
+        while len(self.running) + len(claimants) >= self.config.max_num_seqs:
+            heads = {tenant: queue[0] for tenant, queue in queues.items() if queue}
+            move = self._next_place_move(places, weights, heads, adapters)
+            if move is None:
+                break
+            claimant, donor = move
+            victim = min(
+                (r for r in self.running if r.tenant == donor),
+                key=lambda r: (r.num_computed_tokens, -r.arrival_time),
+            )
+            self._preempt(victim)
+            preempted.append(victim)
+            places[donor] -= 1
+            places[claimant] += 1
+            adapters = self.running_adapters()
+            claimants.append(queues[claimant].popleft())
+        return claimants
+
+    def _next_place_move(
+        self,
+        places: Mapping[str, int],
+        weights: Mapping[str, float],
+        heads: Mapping[str, Request],
+        adapters: set[bytes],
+    ) -> tuple[str, str] | None:
+        """(claimant, donor): the waiting tenant with the fewest places per weight (then
+        the lowest counter) and the running tenant with the most, when moving one place
+        leaves the claimant with no more places per weight than the donor. None when no
+        move is fair; a claimant whose head needs an adapter slot while all are taken is
+        passed over (the victim need not free one)."""
+        if not heads or not places:
+            return None
+        donor = max(places, key=lambda t: (places[t] / weights[t], self.fair_share.counter(t)))
+        for claimant in sorted(
+            heads, key=lambda t: (places[t] / weights[t], self.fair_share.counter(t))
+        ):
+            if claimant == donor:
+                continue
+            if (places[claimant] + 1) / weights[claimant] > (places[donor] - 1) / weights[donor]:
+                return None
+            key = heads[claimant].adapter_key
+            if key is None or key in adapters or len(adapters) < self.max_loras:
+                return claimant, donor
+        return None
+
+    def _admit_waiting(
+        self, scheduled: list[ScheduledRequest], budget: int, first: Sequence[Request] = ()
+    ) -> int:
+        """Admits waiting requests while places, budget and KV blocks allow: `first`
+        (the claimants of reclaimed places), then the queue's order."""
         chunked = self.config.enable_chunked_prefill
         adapters = self.running_adapters()
         slot_blocked = False
         admitted: set[int] = set()
-        for request in self._waiting_order():
+        leading = {id(request) for request in first}
+        order = itertools.chain(first, (r for r in self._waiting_order() if id(r) not in leading))
+        for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             key = request.adapter_key

@@ -8,7 +8,7 @@ credit is not banked while idle.
 
 import itertools
 
-from test_scheduler import make_group, make_scheduler, step
+from test_scheduler import adapter, make_group, make_scheduler, run_to_completion, step
 
 from loraplex.platform.fair_share import FairShare
 
@@ -106,3 +106,93 @@ def test_an_idle_tenant_does_not_bank_credit():
     assert len(b_places) == 3 and all(
         second - first == 2 for first, second in itertools.pairwise(b_places)
     ), f"b arrived with a's counter, so the two alternate (b does not run 3 in a row): {later}"
+
+
+def running_places(scheduler):
+    """Tenant -> running requests."""
+    places: dict[str, int] = {}
+    for request in scheduler.running:
+        places[request.tenant] = places.get(request.tenant, 0) + 1
+    return places
+
+
+def test_a_light_request_takes_a_place_from_a_full_batch_at_the_next_step():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=4, budget=64, policy="fair")
+    for i in range(8):
+        scheduler.add(make_group(f"h{i}", [1, 2, 3], max_tokens=8, arrival=i, tenant="heavy"))
+    step(scheduler)
+    step(scheduler)  # h0..h3 decode; h3 has as much work as the others
+    scheduler.add(make_group("l0", [4, 5, 6], max_tokens=3, arrival=9, tenant="light"))
+    output, _ = step(scheduler)
+    ran = {item.request.request_id for item in output.scheduled}
+    assert "l0" in ran and len(ran) == 4, f"light runs at once in a full batch: {ran}"
+    assert scheduler.num_preemptions == 1
+    assert running_places(scheduler) == {"heavy": 3, "light": 1}
+    victim = scheduler.requests["h3"]
+    assert victim.num_preemptions == 1, "the donor's latest request among equals goes"
+    run_to_completion(scheduler)
+    assert not scheduler.num_unfinished
+    assert scheduler.num_preemptions == 1, "light alone at 1 of 4 places takes no more"
+
+
+def test_the_donor_loses_its_request_with_the_least_computed_work():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=2, budget=64, policy="fair")
+    scheduler.add(make_group("h0", [1, 2, 3], max_tokens=20, arrival=0, tenant="heavy"))
+    for _ in range(5):
+        step(scheduler)
+    scheduler.add(make_group("h1", [1, 2, 3, 4, 5], max_tokens=20, arrival=-1, tenant="heavy"))
+    step(scheduler)
+    scheduler.add(make_group("l0", [7, 8], max_tokens=2, arrival=2, tenant="light"))
+    before = {r.request_id: r.num_computed_tokens for r in scheduler.running}
+    assert before["h1"] < before["h0"], before
+    step(scheduler)
+    assert scheduler.requests["h1"].num_preemptions == 1, "h1 arrived first but did less"
+    assert scheduler.requests["h0"].num_preemptions == 0
+
+
+def test_two_backlogged_tenants_split_the_places_without_churn():
+    scheduler = make_scheduler(num_blocks=128, max_num_seqs=4, budget=64, policy="fair")
+    for i in range(8):
+        scheduler.add(make_group(f"a{i}", [1, 2], max_tokens=30, arrival=i, tenant="a"))
+    step(scheduler)
+    for i in range(8):
+        scheduler.add(make_group(f"b{i}", [3, 4], max_tokens=30, arrival=10 + i, tenant="b"))
+    step(scheduler)
+    assert running_places(scheduler) == {"a": 2, "b": 2}
+    assert scheduler.num_preemptions == 2
+    for _ in range(20):
+        step(scheduler)
+    assert scheduler.num_preemptions == 2, "an even split is never undone"
+
+
+def test_weighted_places_follow_the_weights():
+    scheduler = make_scheduler(num_blocks=128, max_num_seqs=3, budget=64, policy="fair")
+
+    def add(tenant, weight, count, arrival):
+        for i in range(count):
+            group = make_group(
+                f"{tenant}{i}", [1, 2], max_tokens=30, arrival=arrival + i, tenant=tenant
+            )
+            group[0].tenant_weight = weight
+            scheduler.add(group)
+
+    add("basic", 1.0, 6, 0)
+    step(scheduler)
+    add("gold", 2.0, 6, 10)
+    step(scheduler)
+    assert running_places(scheduler) == {"basic": 1, "gold": 2}
+
+
+def test_no_place_moves_for_an_adapter_that_would_find_no_slot():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=2, budget=64, policy="fair", max_loras=1)
+    for i in range(2):
+        scheduler.add(
+            make_group(f"h{i}", [1, 2], max_tokens=8, arrival=i, tenant="heavy", lora=adapter("x"))
+        )
+    step(scheduler)
+    scheduler.add(
+        make_group("l0", [3, 4], max_tokens=2, arrival=5, tenant="light", lora=adapter("y"))
+    )
+    step(scheduler)
+    assert scheduler.num_preemptions == 0, "preempting one of two x requests frees no slot"
+    assert running_places(scheduler) == {"heavy": 2}

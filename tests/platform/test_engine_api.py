@@ -475,3 +475,38 @@ def test_the_server_facing_api_reads_the_engine(llm):
         engine.evict_adapter("/nonexistent", None)
     finally:
         engine.shutdown()
+
+
+def test_a_reclaimed_place_starts_a_light_request_and_keeps_greedy_outputs(tiny_model_factory):
+    """Fair share on a real model: with both places taken by a heavy tenant, a light
+    tenant's request samples its first token in the next step (a heavy request is
+    preempted), and every output equals the FCFS run's, where nothing is preempted."""
+    folder = str(tiny_model_factory("llama"))
+    heavy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    light = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def run(policy: str) -> tuple[dict[str, list[int]], int, int]:
+        options = dict(max_model_len=64, dtype="float32", max_num_seqs=2, policy=policy)
+        engine = LLMEngine(EngineConfig.from_options(folder, options))
+        for i in range(2):
+            prompt = [5 + i, 6, 7, 8, 9] * 4
+            engine.add_group(engine.make_request_group(f"h{i}", prompt, heavy, tenant="heavy"))
+        for _ in range(3):
+            engine.step()
+        engine.add_group(engine.make_request_group("l0", [11, 12, 13], light, tenant="light"))
+        outputs, light_first_step, step = {}, 0, 0
+        while engine.has_unfinished():
+            step += 1
+            for output in engine.step():
+                if output.request_id == "l0" and output.outputs[0].token_ids:
+                    light_first_step = light_first_step or step
+                if output.finished:
+                    outputs[output.request_id] = output.outputs[0].token_ids
+        assert_no_leak(engine)
+        return outputs, light_first_step, engine.scheduler.num_preemptions
+
+    fair, fair_first_step, fair_preemptions = run("fair")
+    fcfs, fcfs_first_step, fcfs_preemptions = run("fcfs")
+    assert (fair_first_step, fair_preemptions) == (1, 1)
+    assert fcfs_first_step > 1 and fcfs_preemptions == 0
+    assert fair == fcfs and len(fair) == 3 and all(len(fair[f"h{i}"]) == 12 for i in range(2))

@@ -1,8 +1,9 @@
 """Iteration-level scheduling policy. Never touches tensors.
 
 Each step the scheduler decides "request -> number of tokens to compute now":
-running requests first (decodes and unfinished prefill chunks, in admission order),
-then waiting requests while the token budget, `max_num_seqs` and free KV blocks allow.
+running requests first (decodes, then unfinished prefill chunks, each in admission
+order, so a long prompt's chunk never stalls another request's decode), then waiting
+requests while the token budget, `max_num_seqs` and free KV blocks allow.
 When a running request cannot get a block, the lowest-ranked running request is
 preempted: its blocks are freed and it later recomputes prompt + generated tokens.
 
@@ -26,8 +27,11 @@ the running tenant holding the most places per weight, as long as it then still 
 no more places per weight than that tenant (max-min fair places: a move is never
 undone by the reverse move, so places do not churn). The place goes to the claimant's
 head request this step; the donor's request with the least computed work is preempted
-(its full blocks stay in the prefix cache for its recompute). A light tenant's request
-thus starts at the next step instead of waiting for a heavy tenant's request to end.
+(its full blocks stay in the prefix cache for its recompute). A waiting tenant with no
+prompt under way has its head request start in a free place first, and the step keeps
+its prompt's tokens (and the claimants') from running requests' prefill chunks. A
+light tenant's request thus starts at the next step, neither after a heavy tenant's
+request ends nor after its long prompt.
 
 LoRA: at most `max_loras` distinct adapters run at once (one device slot each). A
 waiting request whose adapter would need a slot while all are taken is skipped, and
@@ -178,14 +182,17 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
 
         claimants = self._reclaim_places(preempted)
+        first = claimants + self._prefill_heads(claimants)
+        reserve = min(budget, sum(r.num_tokens - r.num_computed_tokens for r in first))
         self.running.sort(key=self._rank)
-        for request in list(self.running):
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if request.status is not RequestStatus.RUNNING:
                 continue
             num_new = request.num_tokens - request.num_computed_tokens
+            room = budget if num_new <= 1 else budget - reserve
             if chunked:
-                num_new = min(num_new, budget)
-            if num_new <= 0 or num_new > budget:
+                num_new = min(num_new, room)
+            if num_new <= 0 or num_new > room:
                 continue
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running[-1]
@@ -199,7 +206,7 @@ class Scheduler:
             budget -= num_new
 
         if len(preempted) == len(claimants):  # nothing lost its blocks to a full cache
-            budget = self._admit_waiting(scheduled, budget, claimants)
+            budget = self._admit_waiting(scheduled, budget, first)
         if self.proposer is not None:
             self._add_drafts(scheduled, budget)
 
@@ -258,6 +265,39 @@ class Scheduler:
             claimants.append(queues[claimant].popleft())
         return claimants
 
+    def _prefill_heads(self, claimants: list[Request]) -> list[Request]:
+        """Under `fair`: the head request of each waiting tenant that has no prompt being
+        computed (no running request with prompt tokens left) and no claimant, lowest
+        counter first, as many as there are free places, passing over a head whose
+        adapter would find no slot. They start this step ahead of running requests'
+        prefill chunks: each tenant gets one prompt under way before another tenant's
+        long prompt takes the whole step."""
+        if self.fair_share is None or not len(self.waiting):
+            return []
+        free = self.config.max_num_seqs - len(self.running) - len(claimants)
+        busy = {r.tenant for r in self.running if r.num_tokens - r.num_computed_tokens > 1}
+        busy |= {r.tenant for r in claimants}
+        heads: dict[str, Request] = {}
+        for request in self.waiting:
+            if request.tenant not in busy:
+                heads.setdefault(request.tenant, request)
+        adapters = self.running_adapters() | {
+            r.adapter_key for r in claimants if r.adapter_key is not None
+        }
+        picked: list[Request] = []
+        for tenant in sorted(
+            heads, key=lambda t: (self.fair_share.counter(t), heads[t].arrival_time)
+        ):
+            if len(picked) >= free:
+                break
+            key = heads[tenant].adapter_key
+            if key is not None and key not in adapters:
+                if len(adapters) >= self.max_loras:
+                    continue
+                adapters.add(key)
+            picked.append(heads[tenant])
+        return picked
+
     def _next_place_move(
         self,
         places: Mapping[str, int],
@@ -289,7 +329,7 @@ class Scheduler:
         self, scheduled: list[ScheduledRequest], budget: int, first: Sequence[Request] = ()
     ) -> int:
         """Admits waiting requests while places, budget and KV blocks allow: `first`
-        (the claimants of reclaimed places), then the queue's order."""
+        (claimants of reclaimed places, then `_prefill_heads`), then the queue's order."""
         chunked = self.config.enable_chunked_prefill
         adapters = self.running_adapters()
         slot_blocked = False

@@ -15,6 +15,7 @@ shows what a smaller step buys the light tenant and costs the heavy one.
 
 Usage: .venv/bin/python scripts/bench_fair_share_engine.py [--configs 256x32,64x8]
        [--light-rate R] [--light-prompts N] [--policy fair] [--heavy-output-len N]
+       [--heavy-prompt-len N]
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def run(
     light_rate: float,
     prompts: int,
     heavy_output_len: int,
+    heavy_prompt_len: int,
 ) -> dict:
     llm = LLM(
         dtype="float32",
@@ -108,7 +110,8 @@ def run(
         while next_arrival < len(arrivals) and arrivals[next_arrival].at_s <= now:
             arrival = arrivals[next_arrival]
             request_id = f"{arrival.phase}-{next_arrival}"
-            prompt = [token_rng.randrange(100, 20000) for _ in range(PROMPT_LEN)]
+            length = heavy_prompt_len if arrival.tenant == "heavy" else PROMPT_LEN
+            prompt = [token_rng.randrange(100, 20000) for _ in range(length)]
             engine.add_group(
                 engine.make_request_group(
                     request_id, prompt, params[arrival.tenant], tenant=arrival.tenant
@@ -161,10 +164,17 @@ def main() -> None:
         default=OUTPUT_LEN,
         help="the heavy tenant's output tokens (longer: its requests hold places longer)",
     )
+    parser.add_argument(
+        "--heavy-prompt-len",
+        type=int,
+        default=PROMPT_LEN,
+        help="the heavy tenant's prompt tokens (longer: prefill chunks fill its steps)",
+    )
     args = parser.parse_args()
-    logger.info("machine: %s; light %.1f req/s, heavy %.1f req/s, %d -> %d tokens",
-                cpu_model(), args.light_rate, HEAVY_TIMES_LIGHT * args.light_rate,
-                PROMPT_LEN, OUTPUT_LEN)  # fmt: skip
+    logger.info("machine: %s; light %.1f req/s, %d -> %d tokens; heavy %.1f req/s, %d -> %d",
+                cpu_model(), args.light_rate, PROMPT_LEN, OUTPUT_LEN,
+                HEAVY_TIMES_LIGHT * args.light_rate, args.heavy_prompt_len,
+                args.heavy_output_len)  # fmt: skip
     for config in args.configs.split(","):
         budget, max_num_seqs = (int(part) for part in config.split("x"))
         load = read_loadavg()
@@ -175,6 +185,7 @@ def main() -> None:
             args.light_rate,
             args.light_prompts,
             args.heavy_output_len,
+            args.heavy_prompt_len,
         )
         logger.info(
             "budget %d x max_num_seqs %d (%s): light TTFT p50/p99 alone %.3f/%.3f s, with "

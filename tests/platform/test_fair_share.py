@@ -196,3 +196,33 @@ def test_no_place_moves_for_an_adapter_that_would_find_no_slot():
     step(scheduler)
     assert scheduler.num_preemptions == 0, "preempting one of two x requests frees no slot"
     assert running_places(scheduler) == {"heavy": 2}
+
+
+def long_prompt_then_light(policy):
+    """'heavy' runs one 40-token prompt in 16-token steps; 'light' comes after step 1.
+    Returns the second step's chunks (request id -> tokens)."""
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=4, budget=16, policy=policy)
+    prompt = list(range(1, 41))
+    scheduler.add(make_group("h0", prompt, max_tokens=4, arrival=0, tenant="heavy"))
+    step(scheduler)
+    scheduler.add(make_group("l0", [41, 42, 43, 44], max_tokens=2, arrival=1, tenant="light"))
+    output, _ = step(scheduler)
+    return {item.request.request_id: item.num_tokens for item in output.scheduled}
+
+
+def test_a_placeless_tenant_starts_before_a_long_prompt_ends_its_prefill():
+    assert long_prompt_then_light("fcfs") == {"h0": 16}
+    assert long_prompt_then_light("fair") == {"l0": 4, "h0": 12}
+
+
+def test_decodes_keep_their_tokens_when_a_placeless_tenant_starts():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=4, budget=8, policy="fair")
+    for i in range(2):
+        scheduler.add(make_group(f"h{i}", [1, 2, 3], max_tokens=6, arrival=i, tenant="heavy"))
+    step(scheduler)
+    scheduler.add(make_group("h2", list(range(1, 30)), max_tokens=2, arrival=2, tenant="heavy"))
+    step(scheduler)  # h0, h1 decode; h2 takes the other 6 tokens of the budget
+    scheduler.add(make_group("l0", list(range(30, 40)), max_tokens=2, arrival=3, tenant="light"))
+    output, _ = step(scheduler)
+    chunks = {item.request.request_id: item.num_tokens for item in output.scheduled}
+    assert chunks == {"h0": 1, "h1": 1, "l0": 6}, "decodes first, then light; h2 waits"

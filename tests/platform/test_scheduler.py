@@ -173,6 +173,17 @@ def test_request_waiting_for_an_adapter_slot_is_not_starved():
     run_to_completion(scheduler)
 
 
+def test_a_long_prompt_chunk_never_stalls_a_decode():
+    scheduler = make_scheduler(num_blocks=16, max_num_seqs=4, budget=4)
+    scheduler.add(make_group("short", [1, 2], max_tokens=8, arrival=1.0))
+    step(scheduler)
+    scheduler.add(make_group("long", range(3, 19), max_tokens=2, arrival=0.0))
+    step(scheduler)
+    output, _ = step(scheduler)
+    chunks = {item.request.request_id: item.num_tokens for item in output.scheduled}
+    assert chunks == {"short": 1, "long": 3}, "the earlier-ranked chunk takes what is left"
+
+
 def test_preemption_frees_blocks_and_request_recomputes():
     scheduler = make_scheduler(num_blocks=6, budget=64)
     scheduler.add(make_group("a", range(7), max_tokens=12, arrival=0.0))

@@ -11,7 +11,11 @@ benchmark run, and visibly slower prefill steps).
 threshold, so freed blocks stay in the heap and the next step reuses them. The cost is
 that the process keeps up to `TRIM_THRESHOLD` of freed memory mapped, which is what
 a long-running engine wants. Allocations above `MMAP_THRESHOLD` (32 MiB, glibc's
-ceiling) are still mapped fresh each time.
+ceiling) are still mapped fresh each time. Every thread that allocates may get its own
+arena with its own trim threshold, so a process that builds and drops several engines
+(each stepping on its own thread) can keep gigabytes of freed memory:
+`release_freed_memory()` hands the free pages of every arena back (`malloc_trim`), and
+`LLMEngine.shutdown` calls it.
 """
 
 from __future__ import annotations
@@ -35,18 +39,37 @@ TOP_PAD = 64 * 2**20
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Returns the free memory of every malloc arena to the kernel; True when glibc did
+    (False on other platforms or C libraries)."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Applies the malloc settings once per process; True when glibc accepted them
     (False on other platforms or C libraries, where nothing changes)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int

@@ -24,7 +24,7 @@ from loraplex.platform.block_pool import BlockPool
 from loraplex.platform.ceiling import resolve_auto_dtype
 from loraplex.platform.compute_threads import default_compute_threads, use_compute_threads
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.cpu_allocator import keep_freed_memory
+from loraplex.platform.cpu_allocator import keep_freed_memory, release_freed_memory
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.guided import GrammarCompiler, GuidedSpec
 from loraplex.platform.kv_cache import allocate_kv_caches, plan_num_blocks
@@ -257,9 +257,11 @@ class LLMEngine:
             self.workers.check()
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel workers (a no-op on one rank)."""
+        """Stops the tensor-parallel workers and hands the process's freed memory back
+        to the kernel (platform/cpu_allocator.py)."""
         if self.workers is not None:
             self.workers.shutdown()
+        release_freed_memory()
 
     # ---- adapters ------------------------------------------------------------------
     def _store(self) -> AdapterStore:

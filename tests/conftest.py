@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from loraplex.platform.cpu_allocator import release_freed_memory
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # The device the Triton kernel tests (tests/kernels, tests/platform/test_triton_path.py)
@@ -28,6 +31,17 @@ RAY_TEST_PREFIXES = ("tests/deployments/", "tests/platform/parallel/")
 """Tests that start Ray (the session's Serve app, `serve run` apps, Ray clusters of their
 own, tensor-parallel workers): one pytest-xdist worker runs them all, in order, while
 the other runs the rest, module by module (pyproject: `-n 2`)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_memory_after_the_module():
+    """Engines a module built and dropped leave freed memory in malloc's arenas (the
+    engine keeps freed memory for its steps: platform/cpu_allocator.py); a long-lived
+    xdist worker hands it back after each module, so the two workers and the Ray
+    replicas fit in the machine's memory together."""
+    yield
+    gc.collect()
+    release_freed_memory()
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -62,7 +62,13 @@ def setup(tiny_model_factory, peft_adapter_factory, tmp_path):
 def follow(base) -> tuple[LLM, Follower, list[torch.Tensor]]:
     """An engine whose runner hands every step to a `Follower`, and rank 0's logits."""
     llm = LLM(
-        str(base), dtype="float32", max_model_len=64, max_loras=1, max_lora_rank=8, block_size=4
+        str(base),
+        dtype="float32",
+        max_model_len=64,
+        max_loras=1,
+        max_lora_rank=8,
+        block_size=4,
+        kv_cache_memory_bytes=16 * 2**20,
     )
     follower = Follower(base, llm)
     runner = llm.engine.runner

@@ -142,7 +142,13 @@ def test_dead_worker_fails_the_engine_instead_of_hanging(ray_cluster, tiny_model
     import ray
 
     base = tiny_model_factory("llama")
-    llm = LLM(str(base), tensor_parallel_size=2, max_model_len=128, distributed_timeout_s=20.0)
+    llm = LLM(
+        str(base),
+        tensor_parallel_size=2,
+        max_model_len=128,
+        distributed_timeout_s=20.0,
+        kv_cache_memory_bytes=16 * 2**20,
+    )
     engine = AsyncEngine(llm.engine)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     long_params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)

@@ -261,6 +261,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens whose K/V is not computed yet: 1 for a decode, more for a prompt
+        (or a preempted request's recompute) under way."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def finished(self) -> bool:
         return self.status.finished
 

@@ -183,12 +183,12 @@ class Scheduler:
 
         claimants = self._reclaim_places(preempted)
         first = claimants + self._prefill_heads(claimants)
-        reserve = min(budget, sum(r.num_tokens - r.num_computed_tokens for r in first))
+        reserve = min(budget, sum(r.num_uncomputed_tokens for r in first))
         self.running.sort(key=self._rank)
-        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        for request in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
             if request.status is not RequestStatus.RUNNING:
                 continue
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = request.num_uncomputed_tokens
             room = budget if num_new <= 1 else budget - reserve
             if chunked:
                 num_new = min(num_new, room)
@@ -272,10 +272,10 @@ class Scheduler:
         adapter would find no slot. They start this step ahead of running requests'
         prefill chunks: each tenant gets one prompt under way before another tenant's
         long prompt takes the whole step."""
-        if self.fair_share is None or not len(self.waiting):
-            return []
         free = self.config.max_num_seqs - len(self.running) - len(claimants)
-        busy = {r.tenant for r in self.running if r.num_tokens - r.num_computed_tokens > 1}
+        if self.fair_share is None or not len(self.waiting) or free <= 0:
+            return []
+        busy = {r.tenant for r in self.running if r.num_uncomputed_tokens > 1}
         busy |= {r.tenant for r in claimants}
         heads: dict[str, Request] = {}
         for request in self.waiting:

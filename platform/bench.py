@@ -267,7 +267,7 @@ def hf_generate_batch(model, prompts: Sequence[Sequence[int]], output_len: int) 
     """Greedy HF generate of exactly `output_len` new tokens per prompt; returns the count."""
     pad_id = model.config.pad_token_id
     pad_id = 0 if pad_id is None else int(pad_id)
-    input_ids, mask = left_pad(prompts, pad_id)
+    input_ids, mask = (t.to(model.device) for t in left_pad(prompts, pad_id))
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids,

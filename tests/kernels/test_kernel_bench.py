@@ -1,8 +1,11 @@
-"""The kernel microbenchmarks: each one's code runs once on tiny shapes under the Triton
-interpreter (timing swapped for a single call), the table's arithmetic, and the no-GPU
+"""The kernel microbenchmarks: each one's code runs once on tiny shapes on
+LORAPLEX_TEST_DEVICE (tests/conftest.py: compiled on a GPU, else under the Triton
+interpreter; timing swapped for a single call), the table's arithmetic, and the no-GPU
 exit. Real figures need a GPU (kernels/README.md)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -41,7 +44,8 @@ def test_each_benchmark_runs_on_tiny_shapes(name, monkeypatch):
         calls.append(fn)
         return 1.0
 
-    monkeypatch.setattr(bench, "bench_device", lambda: torch.device("cpu"))
+    device = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
+    monkeypatch.setattr(bench, "bench_device", lambda: device)
     monkeypatch.setattr(bench, "time_ms", run_once)
     args = bench.build_parser().parse_args(TINY)
     results = bench.BENCHMARKS[name].run(args)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
@@ -18,6 +21,8 @@ from loraplex.kernels.torch_paged_attention import (
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
 HEAD_DIM = 16
+TRITON_DEVICE = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
+"""Where the Triton backend runs (tests/conftest.py): compiled on a GPU, else interpreted."""
 
 
 def make_tables(seq_lens: list[int], generator: torch.Generator) -> list[list[int]]:
@@ -146,9 +151,18 @@ def test_layer_kernels_mixed_step_matches_reference(num_decodes, backend):
         prefill_block_tables=pad(tables[num_decodes:]),
     )
     write_kv(cache, k, v, meta.slot_mapping)
-    out = get_backend(backend).attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
     expected = reference_paged_attention(q, cache, tables, all_lens, all_query, HEAD_DIM**-0.5)
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    if backend == "triton":
+        q, k, v, cache = (t.to(TRITON_DEVICE) for t in (q, k, v, cache))
+        meta = dataclasses.replace(
+            meta,
+            slot_mapping=meta.slot_mapping.to(TRITON_DEVICE),
+            decode_block_tables=meta.decode_block_tables.to(TRITON_DEVICE),
+            decode_seq_lens=meta.decode_seq_lens.to(TRITON_DEVICE),
+            prefill_block_tables=meta.prefill_block_tables.to(TRITON_DEVICE),
+        )
+    out = get_backend(backend).attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=1e-5)
 
 
 def test_unknown_backend_names_registered_ones():

@@ -35,6 +35,8 @@ namespace {
 
 using at::Tensor;
 
+#define FORCE_INLINE inline __attribute__((always_inline))
+
 // Storage <-> fp32. bf16 uses plain bit operations (round to nearest even, NaN kept
 // quiet, as c10::BFloat16 does) so that loops over it vectorize; c10's own conversion
 // is a branchy scalar function.
@@ -140,14 +142,41 @@ struct DecodeItem {
     const int64_t block = table[start / block_size];
     return base + (block * num_kv_heads + kv_head) * block_size * head_dim;
   }
-  // The next block of a sequence lies anywhere in the cache: the hardware prefetcher
-  // cannot guess it, so each pass requests block b + 1 while it works on block b.
-  void prefetch_block(const T* base, int64_t start) const {
+  // A sequence's blocks lie anywhere in the cache, so the hardware prefetcher cannot
+  // follow them; the passes request them in software, spread over the work so each
+  // request has about a pass to arrive:
+  // - K pass, block b: K block b + 1 and V block b of this item;
+  // - V pass, block b: K block b of the next item (`next`, null for the last item of
+  //   a thread), then its K blocks past this item's length.
+  // Each is forced inline: GCC deems a function whose only effect is a prefetch "pure"
+  // and deletes calls to it (GCC 12 emitted no prefetch at all for the earlier,
+  // out-of-line version).
+  FORCE_INLINE void prefetch_block(const T* base, int64_t start, int locality_l1) const {
     if (start < len) {
       const char* p = reinterpret_cast<const char*>(block_ptr(base, start));
       const int64_t bytes = std::min(block_size, len - start) * head_dim * int64_t(sizeof(T));
       for (int64_t offset = 0; offset < bytes; offset += 64) {
-        __builtin_prefetch(p + offset, 0, 3);
+        if (locality_l1) {
+          __builtin_prefetch(p + offset, 0, 3);
+        } else {
+          __builtin_prefetch(p + offset, 0, 2);
+        }
+      }
+    }
+  }
+  FORCE_INLINE void prefetch_in_k_pass(int64_t start) const {
+    prefetch_block(k_data, start + block_size, 1);
+    prefetch_block(v_data, start, 0);
+  }
+  FORCE_INLINE void prefetch_in_v_pass(const DecodeItem* next, int64_t start) const {
+    if (next != nullptr) {
+      next->prefetch_block(next->k_data, start, 0);
+    }
+  }
+  FORCE_INLINE void prefetch_after_v_pass(const DecodeItem* next) const {
+    if (next != nullptr) {
+      for (int64_t start = len; start < next->len; start += block_size) {
+        next->prefetch_block(next->k_data, start, 0);
       }
     }
   }
@@ -175,11 +204,11 @@ inline void softmax_rows(float* scores, int64_t groups, int64_t stride, int64_t 
 
 // Portable variant: any head_dim, auto-vectorized loops.
 template <typename T>
-void attend_generic(const DecodeItem<T>& it, float* inv_sum) {
+void attend_generic(const DecodeItem<T>& it, const DecodeItem<T>* next, float* inv_sum) {
   const int64_t D = it.head_dim;
   for (int64_t start = 0; start < it.len; start += it.block_size) {
     const int64_t rows = std::min(it.block_size, it.len - start);
-    it.prefetch_block(it.k_data, start + it.block_size);
+    it.prefetch_in_k_pass(start);
     const float* keys = as_floats(it.block_ptr(it.k_data, start), it.block_tmp, rows * D);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t g = 0; g < it.groups; ++g) {
@@ -197,7 +226,7 @@ void attend_generic(const DecodeItem<T>& it, float* inv_sum) {
   std::fill(it.acc, it.acc + it.groups * D, 0.0f);
   for (int64_t start = 0; start < it.len; start += it.block_size) {
     const int64_t rows = std::min(it.block_size, it.len - start);
-    it.prefetch_block(it.v_data, start + it.block_size);
+    it.prefetch_in_v_pass(next, start);
     const float* values = as_floats(it.block_ptr(it.v_data, start), it.block_tmp, rows * D);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t g = 0; g < it.groups; ++g) {
@@ -229,11 +258,11 @@ inline __m512 load16(const T* p) {
 // registers and dotted with all G query rows; each V row is loaded once and added into
 // all G accumulators.
 template <typename T, int CHUNKS>
-void attend_avx512(const DecodeItem<T>& it, float* inv_sum) {
+void attend_avx512(const DecodeItem<T>& it, const DecodeItem<T>* next, float* inv_sum) {
   constexpr int64_t D = 16 * CHUNKS;
   for (int64_t start = 0; start < it.len; start += it.block_size) {
     const int64_t rows = std::min(it.block_size, it.len - start);
-    it.prefetch_block(it.k_data, start + it.block_size);
+    it.prefetch_in_k_pass(start);
     const T* keys = it.block_ptr(it.k_data, start);
     for (int64_t r = 0; r < rows; ++r) {
       __m512 k[CHUNKS];
@@ -254,7 +283,7 @@ void attend_avx512(const DecodeItem<T>& it, float* inv_sum) {
   std::fill(it.acc, it.acc + it.groups * D, 0.0f);
   for (int64_t start = 0; start < it.len; start += it.block_size) {
     const int64_t rows = std::min(it.block_size, it.len - start);
-    it.prefetch_block(it.v_data, start + it.block_size);
+    it.prefetch_in_v_pass(next, start);
     const T* values = it.block_ptr(it.v_data, start);
     for (int64_t g = 0; g < it.groups; ++g) {
       // One query row at a time keeps its CHUNKS accumulators in registers; the
@@ -280,18 +309,22 @@ void attend_avx512(const DecodeItem<T>& it, float* inv_sum) {
 #endif
 
 template <typename T>
-void attend(const DecodeItem<T>& it, float* inv_sum) {
+void attend(const DecodeItem<T>& it, const DecodeItem<T>* next, float* inv_sum) {
 #if defined(__AVX512F__)
   switch (it.head_dim) {
     case 64:
-      return attend_avx512<T, 4>(it, inv_sum);
-    case 128:
-      return attend_avx512<T, 8>(it, inv_sum);
-    default:
+      attend_avx512<T, 4>(it, next, inv_sum);
       break;
+    case 128:
+      attend_avx512<T, 8>(it, next, inv_sum);
+      break;
+    default:
+      attend_generic(it, next, inv_sum);
   }
+#else
+  attend_generic(it, next, inv_sum);
 #endif
-  attend_generic(it, inv_sum);
+  it.prefetch_after_v_pass(next);
 }
 
 template <typename T>
@@ -322,6 +355,18 @@ void decode_attention_kernel(
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(groups * head_dim), acc(groups * head_dim);
     std::vector<float> scores(groups * max_len), block_tmp(block_elems), inv_sum(groups);
+    const auto item_at = [&](int64_t item) {
+      const int64_t seq = item / num_kv_heads;
+      return DecodeItem<T>{query.data(), k_data, v_data, tables + seq * width, lens[seq],
+                           item % num_kv_heads, num_kv_heads, block_size, head_dim, groups,
+                           max_len, scores.data(), acc.data(), block_tmp.data()};
+    };
+    if (begin < end) {
+      const DecodeItem<T> first = item_at(begin);
+      for (int64_t start = 0; start < first.len; start += block_size) {
+        first.prefetch_block(k_data, start, 0);
+      }
+    }
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       for (int64_t g = 0; g < groups; ++g) {
@@ -330,10 +375,13 @@ void decode_attention_kernel(
           query[g * head_dim + e] = load_f(src + e) * fscale;
         }
       }
-      const DecodeItem<T> it{query.data(), k_data, v_data, tables + seq * width, lens[seq],
-                             kv_head, num_kv_heads, block_size, head_dim, groups, max_len,
-                             scores.data(), acc.data(), block_tmp.data()};
-      attend(it, inv_sum.data());
+      const DecodeItem<T> it = item_at(item);
+      if (item + 1 < end) {
+        const DecodeItem<T> next = item_at(item + 1);
+        attend(it, &next, inv_sum.data());
+      } else {
+        attend(it, static_cast<const DecodeItem<T>*>(nullptr), inv_sum.data());
+      }
       for (int64_t g = 0; g < groups; ++g) {
         T* dst = out_data + seq * out_seq_stride + (kv_head * groups + g) * out_head_stride;
         for (int64_t e = 0; e < head_dim; ++e) {

@@ -100,7 +100,7 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
             {
                 "name": "tiny",
                 "model": str(base),
-                "engine": {**engine, "max_cpu_loras": 8},
+                "engine": {**engine, "max_cpu_loras": 8, "kv_cache_memory_bytes": 1 << 26},
                 "adapters": {name: str(folder) for name, folder in shared.items()},
                 "server": {"num_cpus": 0.1},
                 "stream_messages_per_step": 4,
@@ -123,7 +123,12 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
             {
                 "name": "tiny-qwen",
                 "model": str(tiny_model_factory("qwen2")),
-                "engine": {"dtype": "float32", "max_model_len": 1024, "max_loras": 0},
+                "engine": {
+                    "dtype": "float32",
+                    "max_model_len": 1024,
+                    "max_loras": 0,
+                    "kv_cache_memory_bytes": 1 << 26,
+                },
                 "server": {"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1},
             },
         ],

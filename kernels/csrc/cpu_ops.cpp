@@ -637,7 +637,9 @@ void rotary_write_kv(Tensor q, Tensor k, const Tensor& v, const Tensor& cos, con
 // prefill chunks are long runs of one slot). Within an item the shrink takes kLoraBlock
 // tokens per pass over each A row, and the expand walks the output in kLoraChunk-column
 // chunks, each chunk's B columns staying in L1 while kLoraBlock tokens at a time
-// accumulate in registers.
+// accumulate in registers. With AVX-512 both sums use fused multiply-adds (intrinsics,
+// which -ffp-contract=off leaves alone), as the GEMMs of the torch path do; the order of
+// each token's sum never depends on the other tokens of its block.
 constexpr int64_t kLoraItem = 64;
 constexpr int64_t kLoraBlock = 8;
 constexpr int64_t kLoraChunk = 32;
@@ -648,6 +650,28 @@ constexpr int64_t kLoraChunk = 32;
 inline void expand_block_full(float (&acc)[kLoraBlock][kLoraChunk], const float* y,
                               int64_t y_stride, const float* columns, int64_t column_stride,
                               int64_t used) {
+#if defined(__AVX512F__)
+  static_assert(kLoraChunk == 32, "two 16-float vectors per row");
+  __m512 lo[kLoraBlock], hi[kLoraBlock];
+  for (int64_t i = 0; i < kLoraBlock; ++i) {
+    lo[i] = _mm512_setzero_ps();
+    hi[i] = _mm512_setzero_ps();
+  }
+  for (int64_t r = 0; r < used; ++r) {
+    const float* column = columns + r * column_stride;
+    const __m512 c_lo = _mm512_loadu_ps(column), c_hi = _mm512_loadu_ps(column + 16);
+    for (int64_t i = 0; i < kLoraBlock; ++i) {
+      const __m512 yr = _mm512_set1_ps(y[i * y_stride + r]);
+      lo[i] = _mm512_fmadd_ps(yr, c_lo, lo[i]);
+      hi[i] = _mm512_fmadd_ps(yr, c_hi, hi[i]);
+    }
+  }
+  for (int64_t i = 0; i < kLoraBlock; ++i) {
+    _mm512_storeu_ps(acc[i], lo[i]);
+    _mm512_storeu_ps(acc[i] + 16, hi[i]);
+  }
+  return;
+#endif
   for (int64_t r = 0; r < used; ++r) {
     const float* column = columns + r * column_stride;
     for (int64_t i = 0; i < kLoraBlock; ++i) {
@@ -658,6 +682,70 @@ inline void expand_block_full(float (&acc)[kLoraBlock][kLoraChunk], const float*
       }
     }
   }
+}
+
+// y[i * y_stride] = row . xs[i] for the N <= kLoraBlock token rows xs. With AVX-512 the
+// N dot products run side by side, one accumulator each (N is a compile-time constant so
+// they stay in registers), so none waits on its own previous sum; each A row is loaded
+// once for all of them. A token's sum is computed the same way whatever N is, so a
+// result never depends on the rest of the batch.
+template <int64_t N>
+void shrink_row(const float* row, const float* const* xs, int64_t in_features, float* y,
+                int64_t y_stride) {
+#if defined(__AVX512F__)
+  __m512 acc[N];
+  for (int64_t i = 0; i < N; ++i) {
+    acc[i] = _mm512_setzero_ps();
+  }
+  int64_t done = 0;
+  for (; done + 16 <= in_features; done += 16) {
+    const __m512 a = _mm512_loadu_ps(row + done);
+    for (int64_t i = 0; i < N; ++i) {
+      acc[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xs[i] + done), acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    float dot = _mm512_reduce_add_ps(acc[i]);
+    for (int64_t k = done; k < in_features; ++k) {
+      dot = std::fma(row[k], xs[i][k], dot);
+    }
+    y[i * y_stride] = dot;
+  }
+#else
+  for (int64_t i = 0; i < N; ++i) {
+    const float* xi = xs[i];
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t k = 0; k < in_features; ++k) {
+      dot += row[k] * xi[k];
+    }
+    y[i * y_stride] = dot;
+  }
+#endif
+}
+
+template <int64_t... Ns>
+void shrink_rows_of(std::integer_sequence<int64_t, Ns...>, int64_t n, const float* row,
+                    const float* const* xs, int64_t in_features, float* y,
+                    int64_t y_stride) {
+  ((n == Ns + 1 ? shrink_row<Ns + 1>(row, xs, in_features, y, y_stride) : void()), ...);
+}
+
+// shrink_row for a runtime n in 1 .. kLoraBlock.
+inline void shrink_rows(int64_t n, const float* row, const float* const* xs,
+                        int64_t in_features, float* y, int64_t y_stride) {
+  shrink_rows_of(std::make_integer_sequence<int64_t, kLoraBlock>{}, n, row, xs, in_features,
+                 y, y_stride);
+}
+
+// acc + y * column as the expand computes it: fused where the full tiles fuse it, so
+// a token's delta does not depend on whether its tile was full.
+inline float expand_madd(float y, float column, float acc) {
+#if defined(__AVX512F__)
+  return std::fma(y, column, acc);
+#else
+  return acc + y * column;
+#endif
 }
 
 template <typename T>
@@ -699,15 +787,7 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
         }
         for (int64_t r = 0; r < used; ++r) {
           const float* row = a_data + slot * a_slot + r * a_row;
-          for (int64_t i = 0; i < n; ++i) {
-            const float* xi = xs[i];
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t k = 0; k < in_features; ++k) {
-              dot += row[k] * xi[k];
-            }
-            y[(b0 + i) * width + r] = dot;
-          }
+          shrink_rows(n, row, xs, in_features, y.data() + b0 * width + r, width);
         }
       }
       // Expand: out[first + i, o] += sum_r y[i, r] * B[slot, o, r]
@@ -727,7 +807,7 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
                 const float yr = yb[i * width + r];
 #pragma omp simd
                 for (int64_t j = 0; j < n; ++j) {
-                  acc[i][j] += yr * column[j];
+                  acc[i][j] = expand_madd(yr, column[j], acc[i][j]);
                 }
               }
             }

@@ -164,6 +164,28 @@ def test_rotary_write_kv_matches_torch_path(dtype):
     assert torch.equal(cache, expected_cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 3072), (91, 95)])
+def test_lora_add_gives_a_token_the_same_delta_in_any_batch(dtype, in_features, out_features):
+    """A token's LoRA delta is bit for bit the same alone or among 8 + 1 tokens of its
+    slot (a full register block and a partial one), with and without feature tails:
+    greedy outputs must not depend on what else a step holds."""
+    gen = torch.Generator().manual_seed(in_features)
+    slots, rank = 3, 8
+    lora_a = torch.randn(slots, rank, in_features, generator=gen) * 0.1
+    lora_b = (torch.randn(slots, rank, out_features, generator=gen) * 0.1).transpose(1, 2)
+    x = torch.randn(9, in_features, generator=gen).to(dtype)
+    base = torch.randn(9, out_features, generator=gen).to(dtype)
+    token_slots = torch.full((9,), 1, dtype=torch.long)
+    together = base.clone()
+    cpu_ops.lora_add(together, x, lora_a, lora_b, token_slots, None, 1)
+    for t in range(9):
+        alone = base[t : t + 1].clone()
+        cpu_ops.lora_add(alone, x[t : t + 1], lora_a, lora_b, token_slots[:1], None, 1)
+        assert torch.equal(alone[0], together[t]), f"token {t}"
+    assert not torch.equal(together, base)
+
+
 def test_cpu_layer_kernels_are_the_default_on_cpu(monkeypatch):
     from loraplex.kernels.selection import KERNEL_BACKEND_ENV, kernel_backend
 

@@ -654,8 +654,8 @@ inline void expand_block_full(float (&acc)[kLoraBlock][kLoraChunk], const float*
   static_assert(kLoraChunk == 32, "two 16-float vectors per row");
   __m512 lo[kLoraBlock], hi[kLoraBlock];
   for (int64_t i = 0; i < kLoraBlock; ++i) {
-    lo[i] = _mm512_setzero_ps();
-    hi[i] = _mm512_setzero_ps();
+    lo[i] = _mm512_loadu_ps(acc[i]);
+    hi[i] = _mm512_loadu_ps(acc[i] + 16);
   }
   for (int64_t r = 0; r < used; ++r) {
     const float* column = columns + r * column_stride;
@@ -670,8 +670,7 @@ inline void expand_block_full(float (&acc)[kLoraBlock][kLoraChunk], const float*
     _mm512_storeu_ps(acc[i], lo[i]);
     _mm512_storeu_ps(acc[i] + 16, hi[i]);
   }
-  return;
-#endif
+#else
   for (int64_t r = 0; r < used; ++r) {
     const float* column = columns + r * column_stride;
     for (int64_t i = 0; i < kLoraBlock; ++i) {
@@ -682,6 +681,7 @@ inline void expand_block_full(float (&acc)[kLoraBlock][kLoraChunk], const float*
       }
     }
   }
+#endif
 }
 
 // y[i * y_stride] = row . xs[i] for the N <= kLoraBlock token rows xs. With AVX-512 the

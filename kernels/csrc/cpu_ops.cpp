@@ -175,9 +175,14 @@ struct DecodeItem {
   }
   FORCE_INLINE void prefetch_after_v_pass(const DecodeItem* next) const {
     if (next != nullptr) {
-      for (int64_t start = len; start < next->len; start += block_size) {
-        next->prefetch_block(next->k_data, start, 0);
-      }
+      next->prefetch_keys_from(len);
+    }
+  }
+  // K blocks from row `start` to the end, towards L2 (a thread's first item, or the rows
+  // of the next item that the V pass did not reach).
+  FORCE_INLINE void prefetch_keys_from(int64_t start) const {
+    for (; start < len; start += block_size) {
+      prefetch_block(k_data, start, 0);
     }
   }
 };
@@ -362,10 +367,7 @@ void decode_attention_kernel(
                            max_len, scores.data(), acc.data(), block_tmp.data()};
     };
     if (begin < end) {
-      const DecodeItem<T> first = item_at(begin);
-      for (int64_t start = 0; start < first.len; start += block_size) {
-        first.prefetch_block(k_data, start, 0);
-      }
+      item_at(begin).prefetch_keys_from(0);
     }
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;

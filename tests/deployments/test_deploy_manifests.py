@@ -39,9 +39,6 @@ def test_the_rayservice_embeds_serve_config_yaml():
     assert embedded["proxy_location"] == source["proxy_location"]
     assert embedded["http_options"] == {**source["http_options"], "host": "0.0.0.0"}
     head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
-    (container,) = head["containers"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/health", "port": 8000}, probe
     from loraplex.deployments.config import ModelDeploymentConfig, ServerOptions
 
     drain = ModelDeploymentConfig.model_fields["drain_timeout_s"].default
@@ -52,6 +49,43 @@ def test_the_rayservice_embeds_serve_config_yaml():
     ]
     for spec in groups:
         assert spec["terminationGracePeriodSeconds"] >= max(drain, graceful)
+
+
+SERVE_PORT = 8000
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def _serve_dependent(probe: dict) -> bool:
+    """Whether a probe asks the Serve proxy's port (the apps, or the proxy's own
+    health): anything on it depends on Serve applications having been submitted."""
+    http = probe.get("httpGet") or {}
+    if http.get("port") in (SERVE_PORT, "serve") or str(http.get("path", "")).startswith("/health"):
+        return True
+    command = " ".join(probe.get("exec", {}).get("command", []))
+    return f":{SERVE_PORT}" in command or "/health" in command
+
+
+def test_no_head_probe_depends_on_serve_applications():
+    """KubeRay submits serveConfigV2 only once the head pod is Ready (its HeadPodReady
+    condition), so a head readiness or startup probe on the app can never pass: the app
+    is never deployed. A liveness probe on it restarts the cluster whenever a model is
+    replaced. The head carries no probe of its own (KubeRay injects raylet/GCS ones)
+    and no worker probe asks the app's /health."""
+    service = yaml.safe_load(RAYSERVICE.read_text())
+    cluster = service["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    for container in head["containers"]:
+        for name in PROBES:
+            probe = container.get(name)
+            assert probe is None or not _serve_dependent(probe), (container["name"], name)
+        ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+        assert ports.get("serve") == SERVE_PORT, "KubeRay builds the serve Service from it"
+    for group in cluster["workerGroupSpecs"]:
+        for container in group["template"]["spec"]["containers"]:
+            for name in PROBES:
+                probe = container.get(name) or {}
+                assert "/health" not in json.dumps(probe), (group["groupName"], name)
+    assert "serviceUnhealthySecondThreshold" not in service["spec"], "unused since KubeRay 1.3"
 
 
 def test_the_image_installs_with_the_readme_quick_start_script():

@@ -109,5 +109,6 @@ def build_app(args: dict[str, Any]) -> Application:
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         max_queued_requests=config.ingress.max_queued_requests,
+        graceful_shutdown_timeout_s=config.ingress.graceful_shutdown_timeout_s,
         backpressure_config=BackpressureConfig(retry_after_s=OVERLOAD_RETRY_AFTER_S),
     ).bind(config, servers, registry)

@@ -37,7 +37,12 @@ class ServerOptions(StrictConfig):
     max_queued_requests: int = Field(
         256, ge=-1, description="queue past which callers get 503 (-1: unbounded)"
     )
-    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_period_s: float = Field(
+        2.0,
+        gt=0,
+        description="how often Serve asks a replica's check_health: a dead or stalled "
+        "replica leaves /health and is replaced within about this long",
+    )
 
     @field_validator("max_queued_requests")
     @classmethod
@@ -46,7 +51,13 @@ class ServerOptions(StrictConfig):
             raise ValueError("max_queued_requests must be -1 (unbounded) or at least 1")
         return value
 
-    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    graceful_shutdown_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="a stopping replica (redeploy, downscale) keeps serving its requests in "
+        "flight this long; then the engine fails what is still open (503, retry). The "
+        "default covers a 2,048-token completion at 7 tokens/s per stream",
+    )
     adapter_demand_window_s: float = Field(
         60.0,
         gt=0,
@@ -92,7 +103,26 @@ class ModelDeploymentConfig(StrictConfig):
         default_factory=dict,
         description="options of EngineConfig.from_options (speculative_config: a mapping)",
     )
-    drain_timeout_s: float = Field(30.0, ge=0, description="wait for in-flight requests on stop")
+    cold_start_wait_s: float = Field(
+        300.0,
+        gt=0,
+        description="a request for this model while its replicas are all starting waits "
+        "this long for one (then 503 model_loading + Retry-After); covers a first start "
+        "on a fresh machine (conversion, native build, warm-up: ~50 s on 2 vCPUs)",
+    )
+    max_engine_restarts: int = Field(
+        3,
+        ge=0,
+        description="in-place engine restarts allowed within engine_restart_window_s; one "
+        "more and the replica reports unhealthy, so Serve replaces it",
+    )
+    engine_restart_window_s: float = Field(60.0, gt=0)
+    step_watchdog_s: float | None = Field(
+        120.0,
+        gt=0,
+        description="no engine step finishing for this long while requests are queued "
+        "fails them and makes the replica unhealthy (null: never)",
+    )
     stream_messages_per_step: int = Field(
         16,
         ge=0,
@@ -195,7 +225,19 @@ class IngressOptions(StrictConfig):
         30.0,
         gt=0,
         description="a request without its first token by then (queued in the router or "
-        "the engine under overload) ends with 503 + Retry-After instead of waiting on",
+        "the engine under overload) ends with 503 + Retry-After instead of waiting on; "
+        "counted from when its model has a running replica (see cold_start_wait_s)",
+    )
+    inter_token_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a started request whose model sends nothing for this long ends with "
+        "an inter_token_timeout error (504; an error event once streaming)",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="a stopping ingress replica keeps its streams in flight this long",
     )
 
 

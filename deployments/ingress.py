@@ -44,7 +44,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
-from loraplex.deployments.config import PlatformConfig
+from loraplex.deployments.config import PlatformConfig, model_deployment_name
 from loraplex.deployments.errors import OpenAIError, error_response
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import (
@@ -69,6 +69,7 @@ from loraplex.deployments.protocol import (
     TokenizeRequest,
     new_id,
 )
+from loraplex.deployments.readiness import ModelReadiness
 from loraplex.deployments.responses import ChoiceAccumulator, batch_body, sse, usage_chunk
 from loraplex.deployments.routing import Route, resolve_model, visible_adapters
 from loraplex.deployments.tenants import (
@@ -86,7 +87,8 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 256
 OVERLOAD_RETRY_AFTER_S = 2
-READY_PROBE_TIMEOUT_S = 2.0
+FIRST_STEP_POLL_S = 1.0
+"""How often a request waiting for its first step re-reads its model's readiness."""
 Body = TypeVar("Body", bound=BaseModel)
 
 app = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
@@ -242,22 +244,46 @@ def prompt_tokens_estimate(call: GenerateCall) -> int:
     return content + CHAT_TEMPLATE_TOKENS
 
 
-async def _collect(accumulator: ChoiceAccumulator, first: StreamStep, steps) -> None:
+async def _within_inter_token_timeout(steps, timeout_s: float, model: str):
+    """A call's remaining steps; 504 (`inter_token_timeout`) when the model sends
+    nothing for `timeout_s` (a stalled or hung replica: the caller then cancels the
+    call, which aborts the request in the engine)."""
+    iterator = aiter(steps)
+    while True:
+        try:
+            step = await asyncio.wait_for(anext(iterator), timeout_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise OpenAIError(
+                504,
+                f"model {model!r} sent no token for {timeout_s:g} s (inter-token timeout); "
+                "the request was ended",
+                code="inter_token_timeout",
+            ) from None
+        yield step
+
+
+async def _collect(
+    accumulator: ChoiceAccumulator, first: StreamStep, steps, timeout_s: float
+) -> None:
     """Adds a call's steps to its accumulator until it ends; raises its error."""
     accumulator.add(first)
-    async for step in steps:
+    async for step in _within_inter_token_timeout(steps, timeout_s, accumulator.model):
         if isinstance(step, GenerateError):
             raise _generate_error(step)
         accumulator.add(step)
 
 
-async def _collect_all(streams: list[tuple[ChoiceAccumulator, StreamStep, Any]]) -> None:
+async def _collect_all(
+    streams: list[tuple[ChoiceAccumulator, StreamStep, Any]], timeout_s: float
+) -> None:
     """`_collect` for every call at once; when one fails (or the caller is cancelled),
     the other calls are cancelled and the failure is raised."""
     if len(streams) == 1:
-        await _collect(*streams[0])
+        await _collect(*streams[0], timeout_s)
         return
-    tasks = [asyncio.create_task(_collect(*stream)) for stream in streams]
+    tasks = [asyncio.create_task(_collect(*stream, timeout_s)) for stream in streams]
     try:
         await asyncio.gather(*tasks)
     finally:
@@ -268,12 +294,12 @@ async def _collect_all(streams: list[tuple[ChoiceAccumulator, StreamStep, Any]])
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _interleaved(streams: list[tuple[ChoiceAccumulator, StreamStep, Any]]):
+async def _interleaved(streams: list[tuple[ChoiceAccumulator, StreamStep, Any]], timeout_s: float):
     """(accumulator, step) from every call's remaining steps, in arrival order; one call
-    reads its own stream directly."""
+    reads its own stream directly. Each call has the inter-token timeout."""
     if len(streams) == 1:
         accumulator, _, steps = streams[0]
-        async for step in steps:
+        async for step in _within_inter_token_timeout(steps, timeout_s, accumulator.model):
             yield accumulator, step
         return
     arrived: asyncio.Queue = asyncio.Queue()
@@ -281,7 +307,7 @@ async def _interleaved(streams: list[tuple[ChoiceAccumulator, StreamStep, Any]])
 
     async def pump(accumulator: ChoiceAccumulator, steps) -> None:
         try:
-            async for step in steps:
+            async for step in _within_inter_token_timeout(steps, timeout_s, accumulator.model):
                 await arrived.put((accumulator, step))
         except BaseException as exc:
             await arrived.put((accumulator, exc))
@@ -317,6 +343,84 @@ def _generate_error(error: GenerateError) -> OpenAIError:
     )
 
 
+class _StreamEnd:
+    """What ends a streamed response, exactly once: cancel the model calls (unless they
+    completed) and release the tenant's slot and reservation. The stream's generator
+    runs it when it ends; `ClosingStreamingResponse` runs it when the response ends
+    without the generator ever starting (a client gone before the first chunk)."""
+
+    def __init__(self, release: Any) -> None:
+        self._release = release
+        self._calls: list[Any] = []
+        self._done = False
+
+    def cancels(self, steps: Any) -> None:
+        self._calls.append(steps)
+
+    def run(self, cancel: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        if cancel:
+            for steps in self._calls:
+                steps.cancel()
+        self._release()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs its `_StreamEnd` however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], end: _StreamEnd, media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self._end = end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end.run(cancel=True)
+
+
+def _check_fits_tenant(tenant: Tenant, calls: list[GenerateCall], n: int) -> None:
+    """400 for a request that could never pass the tenant's limits: more sequences
+    (prompts x n) than its concurrency limit, or more output tokens alone (prompts x n x
+    max_tokens) than its tokens-per-minute budget. A text prompt's own size is checked
+    once the model server counted it (`_check_worst_case_fits_budget`)."""
+    sequences = len(calls) * n
+    limit = tenant.max_concurrent_requests
+    if limit is not None and sequences > limit:
+        raise OpenAIError(
+            400,
+            f"this request runs {sequences} sequences ({len(calls)} prompt(s) x n {n}), more "
+            f"than your limit of {limit} concurrent requests; lower n or send fewer prompts",
+        )
+    budget = tenant.tokens_per_minute
+    outputs = sum(n * call.params.max_tokens for call in calls if call.max_tokens_given)
+    if budget is not None and outputs > budget:
+        raise OpenAIError(
+            400,
+            f"this request may generate up to {outputs} tokens ({len(calls)} prompt(s) x n "
+            f"{n} x max_tokens), more than your tokens_per_minute budget of {budget}; lower "
+            "n, max_tokens or the number of prompts",
+        )
+
+
+def _check_worst_case_fits_budget(tenant: Tenant, worst: int, started: list) -> None:
+    """400 when every prompt fit alone but the batch's worst case (the sum over its
+    prompts of prompt + n x max_tokens, as the model servers fitted them) exceeds the
+    tenant's budget; the started calls are cancelled."""
+    budget = tenant.tokens_per_minute
+    if budget is None or worst <= budget:
+        return
+    for steps, _ in started:
+        steps.cancel()
+    raise OpenAIError(
+        400,
+        f"this request may use up to {worst} tokens over its prompts, more than your "
+        f"tokens_per_minute budget of {budget}; lower n, max_tokens or the number of prompts",
+    )
+
+
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
@@ -338,10 +442,14 @@ class OpenAIIngress:
         self.operator_digests = frozenset(config.operator.key_digests())
         self.log_prompts = config.log_prompts
         self.first_token_timeout_s = config.ingress.first_token_timeout_s
+        self.inter_token_timeout_s = config.ingress.inter_token_timeout_s
+        self.cold_start_wait_s = {m.name: m.cold_start_wait_s for m in config.models}
         self.metrics = IngressMetrics()
-        replica = serve.get_replica_context().replica_id.unique_id
-        self.memory = ProcessMemory("ingress", replica)
-        self._models_up: set[str] = set()
+        context = serve.get_replica_context()
+        self.memory = ProcessMemory("ingress", context.replica_id.unique_id)
+        self.readiness = ModelReadiness(
+            context.app_name, {base: model_deployment_name(base) for base in self.bases}
+        )
         self._background: set[asyncio.Future] = set()
         """Fire-and-forget calls (adapter prefetches), held so they are not collected."""
         logger.info(
@@ -361,25 +469,20 @@ class OpenAIIngress:
     # ---- read-only endpoints -----------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 once every base model has a replica up (loaded and warmed up), else 503:
-        a started app is ready only when it can serve. Once a model answered, it counts
-        as up for good (a model scaling its replicas does not make the app unhealthy)."""
-        waiting = await self._models_not_up()
+        """Readiness: 200 while every base model can take a request now (a warm replica
+        running, or scaled to zero on purpose), else 503 naming the models that cannot.
+        Read from Serve's controller (deployments/readiness.py, at most 1 s old), never
+        through a model's request queue, and never remembered: a model whose replicas
+        all died is not ready until a replacement is warm."""
+        states = await self.readiness.states()
+        waiting = [base for base in self.bases if not states[base].ready]
         if waiting:
-            return JSONResponse({"status": "starting", "waiting_for": waiting}, status_code=503)
+            return JSONResponse(
+                {"status": "starting", "waiting_for": waiting},
+                status_code=503,
+                headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)},
+            )
         return JSONResponse({"status": "ok"})
-
-    async def _models_not_up(self) -> list[str]:
-        for base in self.bases:
-            if base in self._models_up:
-                continue
-            try:
-                await asyncio.wait_for(self.servers[base].ready.remote(), READY_PROBE_TIMEOUT_S)
-            except (asyncio.TimeoutError, RayError, BackPressureError):
-                continue
-            self._models_up.add(base)
-            logger.info("model %s is up", base)
-        return [base for base in self.bases if base not in self._models_up]
 
     @app.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> PlainTextResponse:
@@ -583,9 +686,11 @@ class OpenAIIngress:
             for call in calls
         ]
         n = body.n
+        sequences = len(calls) * n
+        _check_fits_tenant(tenant, calls, n)
         estimate = sum(prompt_tokens_estimate(c) + n * c.params.max_tokens for c in calls)
         try:
-            reserved = self.limits.admit(tenant, estimate)
+            reserved = self.limits.admit(tenant, estimate, sequences)
         except RateLimited as exc:
             self.metrics.record(tenant.name, 429)
             raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
@@ -604,11 +709,12 @@ class OpenAIIngress:
         ]
         try:
             started = await self._start_all(route, calls)
+            worst = sum(first.worst_case_tokens for _, first in started)
+            _check_worst_case_fits_budget(tenant, worst, started)
         except BaseException:
-            self.limits.release(tenant, 0, reserved)
+            self.limits.release(tenant, 0, reserved, sequences)
             self._record_usage(tenant)
             raise
-        worst = sum(first.worst_case_tokens for _, first in started)
         reserved = self.limits.settle(tenant, reserved, worst)
         self._record_usage(tenant)
         logger.info(
@@ -628,16 +734,20 @@ class OpenAIIngress:
         ]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                self._stream(tenant, streams, include_usage, reserved),
+            end = _StreamEnd(lambda: self._finish(tenant, accumulators, reserved, sequences))
+            for _, _, steps in streams:
+                end.cancels(steps)
+            return ClosingStreamingResponse(
+                self._stream(streams, include_usage, end),
+                end,
                 media_type="text/event-stream",
             )
         try:
-            await _collect_all(streams)
+            await _collect_all(streams, self.inter_token_timeout_s)
         except RayError as exc:
             raise replica_failed(route.base, response_id, exc) from None
         finally:
-            self._finish(tenant, accumulators, reserved)
+            self._finish(tenant, accumulators, reserved, sequences)
         return JSONResponse(batch_body(accumulators))
 
     async def _start_all(self, route: Route, calls: list[GenerateCall]):
@@ -661,21 +771,7 @@ class OpenAIIngress:
         handle = self.servers[route.base].options(stream=True, multiplexed_model_id=route.model_id)
         steps = handle.generate.remote(call)
         try:
-            first = await asyncio.wait_for(anext(aiter(steps)), self.first_token_timeout_s)
-        except asyncio.TimeoutError:
-            steps.cancel()
-            logger.warning(
-                "request %s: no first token from %s within %.0f s, answered 503",
-                call.request_id,
-                route.base,
-                self.first_token_timeout_s,
-            )
-            raise OpenAIError(
-                503,
-                f"model {route.base!r} is overloaded: no capacity within "
-                f"{self.first_token_timeout_s:g} s, retry later",
-                retry_after_s=OVERLOAD_RETRY_AFTER_S,
-            ) from None
+            first = await self._first_step(route.base, call.request_id, steps)
         except BackPressureError:
             raise OpenAIError(
                 503,
@@ -684,15 +780,75 @@ class OpenAIIngress:
             ) from None
         except RayError as exc:
             raise replica_failed(route.base, call.request_id, exc) from None
-        self._models_up.add(route.base)
         if isinstance(first, GenerateError):
             raise _generate_error(first)
         return steps, first
 
-    def _finish(self, tenant: Tenant, accumulators: list[ChoiceAccumulator], reserved: int) -> None:
+    async def _first_step(self, base: str, request_id: str, steps) -> StreamStep | GenerateError:
+        """The call's first step. While the model has no running replica but one is
+        starting (a cold start), the request waits for it up to the model's
+        `cold_start_wait_s`, then gets 503 `model_loading` with the replica's measured
+        start time as Retry-After. Once a replica runs, it has `first_token_timeout_s`
+        (from when the model became ready) before a 503 `overloaded`."""
+        pending = asyncio.ensure_future(anext(aiter(steps)))
+        started = time.monotonic()
+        ready_since = started
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=FIRST_STEP_POLL_S)
+                if done:
+                    return pending.result()
+                now = time.monotonic()
+                state = await self.readiness.state(base)
+                if state.loading:
+                    ready_since = now
+                    if now - started < self.cold_start_wait_s[base]:
+                        continue
+                    retry = self.readiness.retry_after_s(base)
+                    logger.warning(
+                        "request %s: model %s still loading after %.0f s, answered 503",
+                        request_id,
+                        base,
+                        now - started,
+                    )
+                    raise OpenAIError(
+                        503,
+                        f"model {base!r} is loading (a replica is starting); retry in about "
+                        f"{retry} s",
+                        code="model_loading",
+                        retry_after_s=retry,
+                    )
+                if now - ready_since < self.first_token_timeout_s:
+                    continue
+                logger.warning(
+                    "request %s: no first token from %s within %.0f s, answered 503",
+                    request_id,
+                    base,
+                    self.first_token_timeout_s,
+                )
+                raise OpenAIError(
+                    503,
+                    f"model {base!r} is overloaded: no capacity within "
+                    f"{self.first_token_timeout_s:g} s, retry later",
+                    code="overloaded",
+                    retry_after_s=OVERLOAD_RETRY_AFTER_S,
+                )
+        except BaseException:
+            if not pending.done():
+                pending.cancel()
+            steps.cancel()
+            raise
+
+    def _finish(
+        self,
+        tenant: Tenant,
+        accumulators: list[ChoiceAccumulator],
+        reserved: int,
+        sequences: int,
+    ) -> None:
         prompt_tokens = sum(a.prompt_tokens for a in accumulators)
         output_tokens = sum(sum(a.completion_tokens) for a in accumulators)
-        self.limits.release(tenant, prompt_tokens + output_tokens, reserved)
+        self.limits.release(tenant, prompt_tokens + output_tokens, reserved, sequences)
         self._record_usage(tenant)
         self.metrics.record(tenant.name, 200, prompt_tokens, output_tokens)
 
@@ -702,10 +858,9 @@ class OpenAIIngress:
 
     async def _stream(
         self,
-        tenant: Tenant,
         streams: list[tuple[ChoiceAccumulator, StreamStep, Any]],
         include_usage: bool,
-        reserved: int,
+        end: _StreamEnd,
     ) -> AsyncIterator[str]:
         started = time.monotonic()
         accumulators = [accumulator for accumulator, _, _ in streams]
@@ -716,7 +871,7 @@ class OpenAIIngress:
             for accumulator, first, _ in streams:
                 for chunk in accumulator.chunks(first):
                     yield sse(chunk)
-            async for accumulator, step in _interleaved(streams):
+            async for accumulator, step in _interleaved(streams, self.inter_token_timeout_s):
                 if isinstance(step, GenerateError):
                     yield _error_event(_generate_error(step))
                     finished = True
@@ -732,13 +887,14 @@ class OpenAIIngress:
             # raises as an APIError, and the stream ends.
             yield _error_event(replica_failed(head.model, head.request_id, exc))
             finished = True
+        except OpenAIError as exc:
+            logger.warning("request %s: %s", head.request_id, exc.message)
+            yield _error_event(exc)
+            finished = True
         finally:
-            if not completed:
-                for _, _, steps in streams:
-                    steps.cancel()
             if not finished:
                 logger.info("request %s: client went away, aborted", head.request_id)
-            self._finish(tenant, accumulators, reserved)
+            end.run(cancel=not completed)
         logger.info("request %s streamed in %.2fs", head.request_id, time.monotonic() - started)
 
     # ---- admin API: a tenant's own adapters -----------------------------------------------

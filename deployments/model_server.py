@@ -25,8 +25,10 @@ Its jobs:
 - record engine and request metrics (metrics.py);
 - publish where its adapters sit to the app's residency registry (residency.py), and
   warm a newly registered adapter when the ingress asks (`prefetch_adapter`);
-- fail `check_health` when the engine loop is dead, so Serve replaces the replica;
-- drain in-flight requests on shutdown.
+- fail `check_health` when the engine loop is dead, gave up after too many restarts
+  (`max_engine_restarts`) or stalled (`step_watchdog_s`), so Serve replaces the replica;
+- on shutdown (Serve first drains the requests in flight for
+  `graceful_shutdown_timeout_s`), stop the engine, which fails what is still open.
 """
 
 from __future__ import annotations
@@ -55,12 +57,21 @@ from loraplex.deployments.logprobs import TokenLogprob, TokenTexts
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics, ProcessMemory
 from loraplex.deployments.residency import HEARTBEAT_S, PUBLISH_PERIOD_S, ReplicaResidency
-from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
+from loraplex.platform.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRestartedError,
+    EngineStoppedError,
+    RequestFailedError,
+    Supervision,
+)
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 STATS_PERIOD_S = 2.0
+RETRY_ELSEWHERE_S = 2
+"""Retry-After of a request that a dead, stalled or stopping replica ended."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +189,14 @@ class ModelServer:
         self.config = config
         engine_config = config.engine_config()
         self.engine = AsyncEngine.build(
-            engine_config, warm_up=True, messages_per_step=config.stream_messages_per_step
+            engine_config,
+            warm_up=True,
+            messages_per_step=config.stream_messages_per_step,
+            supervision=Supervision(
+                max_restarts=config.max_engine_restarts,
+                restart_window_s=config.engine_restart_window_s,
+                step_watchdog_s=config.step_watchdog_s,
+            ),
         )
         self.token_texts = TokenTexts(self.engine.detokenize)
         self.catalog = AdapterCatalog(adapter_root, {config.name: dict(config.adapters)})
@@ -443,6 +461,14 @@ class ModelServer:
             logger.warning("request %s dropped by an engine restart", call.request_id)
             yield GenerateError(503, f"{exc}; retry", retry_after_s=1)
             return
+        except (EngineDeadError, EngineStoppedError) as exc:
+            logger.warning("request %s ended: %s", call.request_id, exc)
+            yield GenerateError(
+                503,
+                f"model {self.config.name!r} replica is unavailable ({exc}); retry",
+                retry_after_s=RETRY_ELSEWHERE_S,
+            )
+            return
         finally:
             self.admission.finish(call.request_id)
         elapsed = time.perf_counter() - started
@@ -509,7 +535,7 @@ class ModelServer:
             memory.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.shutdown(drain_timeout_s=self.config.drain_timeout_s)
+            engine.shutdown()
 
 
 def _in_serve() -> bool:

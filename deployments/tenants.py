@@ -186,8 +186,9 @@ def bearer_digest(authorization: str | None) -> str | None:
 class RateLimiter:
     """Per-tenant concurrency and tokens-per-minute limits of one ingress replica.
 
-    `admit` takes a request slot and reserves the request's worst-case tokens (at most
-    the whole budget; 429 when the tenant is at its concurrency limit, or when its last
+    `admit` takes a slot per sequence the request runs (prompts x n) and reserves the
+    request's worst-case tokens (at most the whole budget; 429 when the tenant's
+    sequences in flight leave no room for these, or when its last
     minute's tokens plus what its requests in flight have reserved leave no room);
     `settle` replaces the reservation with the exact worst case once the model server
     has counted the prompt; `release` returns the slot and the reservation and books
@@ -201,16 +202,18 @@ class RateLimiter:
         self._usage: dict[str, _Usage] = {}
         self._lock = threading.Lock()
 
-    def admit(self, tenant: Tenant, tokens: int = 0) -> int:
-        """Admits a request that may use up to `tokens`; returns the tokens reserved."""
+    def admit(self, tenant: Tenant, tokens: int = 0, sequences: int = 1) -> int:
+        """Admits a request of `sequences` sequences that may use up to `tokens`;
+        returns the tokens reserved. A request larger than the limit alone passes only
+        with nothing else in flight (the ingress refuses those with a 400 first)."""
         with self._lock:
             usage = self._usage.setdefault(tenant.name, _Usage())
             self._expire(usage, time.monotonic())
             limit = tenant.max_concurrent_requests
-            if limit is not None and usage.in_flight >= limit:
+            if limit is not None and usage.in_flight > 0 and usage.in_flight + sequences > limit:
                 raise RateLimited(
-                    f"tenant {tenant.name!r} has {usage.in_flight} requests in flight "
-                    f"(limit {limit})",
+                    f"tenant {tenant.name!r} has {usage.in_flight} sequences in flight and "
+                    f"this request runs {sequences} (limit {limit})",
                     retry_after_s=1,
                 )
             budget = tenant.tokens_per_minute
@@ -226,7 +229,7 @@ class RateLimiter:
                         retry_after_s=self._retry_after(usage),
                     )
                 usage.reserved += reserve
-            usage.in_flight += 1
+            usage.in_flight += sequences
             return reserve
 
     def settle(self, tenant: Tenant, reserved: int, tokens: int) -> int:
@@ -239,10 +242,10 @@ class RateLimiter:
             usage.reserved = max(0, usage.reserved - reserved + new)
         return new
 
-    def release(self, tenant: Tenant, tokens: int, reserved: int = 0) -> None:
+    def release(self, tenant: Tenant, tokens: int, reserved: int = 0, sequences: int = 1) -> None:
         with self._lock:
             usage = self._usage.setdefault(tenant.name, _Usage())
-            usage.in_flight = max(0, usage.in_flight - 1)
+            usage.in_flight = max(0, usage.in_flight - sequences)
             usage.reserved = max(0, usage.reserved - reserved)
             if tokens > 0:
                 usage.tokens.append((time.monotonic(), tokens))

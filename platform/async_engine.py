@@ -17,7 +17,14 @@ Failures stay as small as they can:
 - a step that fails for any other reason may have left shared state (KV cache, LoRA
   slots) half-written: the loop fails every in-flight request with `EngineRestartedError`,
   resets the engine (`LLMEngine.reset`: same weights, fresh blocks and slots) and goes on
-  serving, in well under a second. Restarts in quick succession are spaced out;
+  serving, in well under a second;
+- a fault that persists (more than `Supervision.max_restarts` restarts within
+  `restart_window_s`) stops the loop instead of failing every tenant's requests on every
+  restart: `check_health()` then raises, and Serve replaces the replica;
+- a step that makes no progress for `Supervision.step_watchdog_s` while work is queued
+  (a hung kernel, a deadlocked collective) fails every stream with `EngineStalledError`
+  and makes `check_health()` raise, so Serve replaces the replica;
+- a shutdown fails the streams still open when its drain ends (`EngineStoppedError`);
 - only when a reset is impossible (tensor parallelism: a worker may be stuck in a
   collective) or fails does the loop die: every consumer gets an EngineDeadError,
   `check_health()` raises it, and Serve replaces the replica.
@@ -49,6 +56,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can make progress on this engine."""
 
 
+class EngineStalledError(EngineDeadError):
+    """No step finished for longer than the step watchdog allows while work was queued."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine was shut down (the replica is stopping) before this request ended."""
+
+
 class EngineRestartedError(RuntimeError):
     """A step failed outside any one request; the engine dropped every in-flight
     request and restarted in place. A retry is served by the same engine."""
@@ -62,9 +77,16 @@ class RequestFailedError(RuntimeError):
         self.failure = failure
 
 
-RESTART_WINDOW_S = 60.0
-RESTARTS_BEFORE_BACKOFF = 3
-BACKOFF_S = 1.0
+@dataclass(frozen=True)
+class Supervision:
+    """When the loop gives up on itself (module docstring)."""
+
+    max_restarts: int = 3
+    """In-place restarts allowed within `restart_window_s`; one more stops the loop."""
+    restart_window_s: float = 60.0
+    step_watchdog_s: float | None = 120.0
+    """A step (or the loop turn around it) running this long while requests are queued
+    fails the engine; None: never."""
 
 
 @dataclass(frozen=True)
@@ -149,13 +171,17 @@ def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
 
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, idle_poll_s: float = 0.5, messages_per_step: int = 0
+        self,
+        engine: LLMEngine,
+        idle_poll_s: float = 0.5,
+        messages_per_step: int = 0,
+        supervision: Supervision = Supervision(),
     ) -> None:
         """Runs an engine built elsewhere. Its step thread is then a second OpenMP
         master beside the thread that built it, which costs CPU engines ~10% (see
         platform/compute_threads.py): servers use `AsyncEngine.build`.
         `messages_per_step`: see `_Coalescing` (0: every request yields every step)."""
-        self._start(lambda: engine, idle_poll_s, messages_per_step)
+        self._start(lambda: engine, idle_poll_s, messages_per_step, supervision)
 
     @classmethod
     def build(
@@ -164,6 +190,7 @@ class AsyncEngine:
         warm_up: bool = False,
         idle_poll_s: float = 0.5,
         messages_per_step: int = 0,
+        supervision: Supervision = Supervision(),
     ) -> AsyncEngine:
         """Builds the engine (and warms it up) on the step thread itself, so one thread
         runs all of its compute; returns once it is ready, raising what building raised."""
@@ -175,11 +202,15 @@ class AsyncEngine:
             return engine
 
         async_engine = cls.__new__(cls)
-        async_engine._start(make, idle_poll_s, messages_per_step)
+        async_engine._start(make, idle_poll_s, messages_per_step, supervision)
         return async_engine
 
     def _start(
-        self, make: Callable[[], LLMEngine], idle_poll_s: float, messages_per_step: int
+        self,
+        make: Callable[[], LLMEngine],
+        idle_poll_s: float,
+        messages_per_step: int,
+        supervision: Supervision,
     ) -> None:
         if messages_per_step < 0:
             raise ValueError(f"messages_per_step must be >= 0, got {messages_per_step}")
@@ -193,8 +224,12 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._stopping = threading.Event()
+        self._supervision = supervision
         self._restart_times: list[float] = []
         self.last_step_time = time.monotonic()
+        """When the loop last finished a turn (a step, or an idle wait)."""
+        self._busy = False
+        """True while a turn has work (requests queued or running)."""
         built = threading.Event()
         failure: list[BaseException] = []
         self._thread = threading.Thread(
@@ -229,7 +264,7 @@ class AsyncEngine:
         lora = await self.load_adapter(adapter)
         grammar = None
         if params.guided is not None:
-            grammar = await asyncio.to_thread(self.engine.compile_grammar, params.guided)
+            grammar = await asyncio.to_thread(self.engine.compile_grammar, params.guided, tenant)
         group = self.engine.make_request_group(
             request_id,
             prompt,
@@ -285,6 +320,11 @@ class AsyncEngine:
         self._send(_Abort(request_id))
 
     def check_health(self) -> None:
+        """Raises EngineDeadError when the loop died or gave up, and EngineStalledError
+        (failing every open stream) when a busy turn outlasts the step watchdog."""
+        self._check_watchdog()
+        if isinstance(self._error, EngineStalledError):
+            raise EngineStalledError(str(self._error))
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}") from self._error
         if not self._thread.is_alive():
@@ -294,15 +334,41 @@ class AsyncEngine:
         except RuntimeError as exc:
             raise EngineDeadError(str(exc)) from exc
 
+    def _check_watchdog(self) -> None:
+        limit = self._supervision.step_watchdog_s
+        if limit is None or self._error is not None or not self._busy:
+            return
+        stalled_s = time.monotonic() - self.last_step_time
+        if stalled_s <= limit:
+            return
+        error = EngineStalledError(
+            f"the engine made no progress for {stalled_s:.0f} s with requests queued "
+            f"(step watchdog: {limit:g} s); the replica is being replaced"
+        )
+        self._error = error
+        logger.error("%s", error)
+        self._fail_streams(error)
+
     def shutdown(self, drain_timeout_s: float = 0.0) -> None:
-        """Stops the loop, first letting in-flight requests finish for up to the timeout."""
+        """Stops the loop, first letting in-flight requests finish for up to the timeout;
+        streams still open then fail with EngineStoppedError."""
         deadline = time.monotonic() + drain_timeout_s
         while self._streams and time.monotonic() < deadline and self._error is None:
             time.sleep(0.05)
         self._stopping.set()
         self._wakeup.set()
         self._thread.join(timeout=10)
+        if self._streams:
+            logger.warning("engine stopping with %d request(s) still open", len(self._streams))
+        self._fail_streams(EngineStoppedError("the model replica is shutting down; retry"))
         self.engine.shutdown()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Waits (without blocking the event loop) until no request is open, at most
+        `timeout_s`: a stopping replica lets its streams finish first."""
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline and self._error is None:
+            await asyncio.sleep(0.05)
 
     def _send(self, command: _Add | _Abort) -> None:
         self._commands.put(command)
@@ -407,10 +473,12 @@ class AsyncEngine:
         """One loop turn: apply queued adds and aborts, then step (or idle)."""
         self._apply_commands()
         if not self.engine.has_unfinished():
+            self._busy = False
             self._wakeup.wait(self._idle_poll_s)
             self._wakeup.clear()
             self.last_step_time = time.monotonic()
             return
+        self._busy = True
         self._deliver_step(self.engine.step())
         self.last_step_time = time.monotonic()
 
@@ -425,17 +493,24 @@ class AsyncEngine:
             logger.exception("engine reset failed")
             self._die(reset_error)
             return False
-        self._fail_streams(EngineRestartedError(f"the engine restarted after an error: {exc!r}"))
         now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if t > now - RESTART_WINDOW_S]
+        window = self._supervision.restart_window_s
+        self._restart_times = [t for t in self._restart_times if t > now - window]
         self._restart_times.append(now)
+        if len(self._restart_times) > self._supervision.max_restarts:
+            self._die(
+                RuntimeError(
+                    f"the engine failed {len(self._restart_times)} times within {window:g} s "
+                    f"(last: {exc!r}); giving up so that the replica is replaced"
+                )
+            )
+            return False
+        self._fail_streams(EngineRestartedError(f"the engine restarted after an error: {exc!r}"))
         logger.warning(
             "engine restarted in place (%d restart(s) in the last %.0fs)",
             len(self._restart_times),
-            RESTART_WINDOW_S,
+            window,
         )
-        if len(self._restart_times) > RESTARTS_BEFORE_BACKOFF:
-            self._stopping.wait(BACKOFF_S)
         self.last_step_time = time.monotonic()
         return True
 

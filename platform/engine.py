@@ -314,8 +314,8 @@ class LLMEngine:
         `lora` is an adapter already loaded (see `load_adapter`); `cache_salt` keeps the
         request's prefix-cache entries apart from other salts' (one per tenant);
         `tenant` and `tenant_weight` are what the `fair` policy shares the engine by;
-        `grammar` is `params.guided` compiled (`compile_grammar`; compiled here when
-        None), each completion gets its own matcher over it."""
+        `grammar` is `params.guided` compiled for `tenant` (`compile_grammar`; compiled
+        here when None), each completion gets its own matcher over it."""
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: it must contain at least one token")
@@ -334,7 +334,7 @@ class LLMEngine:
         salt = cache_salt.encode() if cache_salt is not None else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.guided is not None and grammar is None:
-            grammar = self.compile_grammar(params.guided)
+            grammar = self.compile_grammar(params.guided, tenant)
         n = params.n
         requests = [
             Request(
@@ -367,10 +367,11 @@ class LLMEngine:
             )
         return self._grammars
 
-    def compile_grammar(self, spec: GuidedSpec) -> object:
-        """`spec` compiled for this model's tokenizer (cached by content); ValueError when
-        it does not compile. Thread-safe: AsyncEngine calls it off the engine loop."""
-        return self.grammars.compile(spec)
+    def compile_grammar(self, spec: GuidedSpec, tenant: str = "") -> object:
+        """`spec` compiled for this model's tokenizer (cached per tenant, by content: no
+        tenant's request finds another's grammar compiled); ValueError when it does not
+        compile. Thread-safe: AsyncEngine calls it off the engine loop."""
+        return self.grammars.compile(spec, tenant)
 
     def check_fits_model(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """ValueError unless the model can represent `params` and the KV cache can hold

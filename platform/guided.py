@@ -4,11 +4,14 @@ object, a regex, one of several strings, an EBNF grammar), compiled with xgramma
 `GuidedSpec` is what a request asks for; it is plain data, part of `SamplingParams`.
 `GrammarCompiler` turns a spec into xgrammar's compiled grammar for one tokenizer
 (compiling can take tens of milliseconds: AsyncEngine runs it on a worker thread, off
-the engine loop) and keeps the most recent ones by the spec's content, so a schema
-that many requests share is compiled once. Each of a request's completions gets its
-own `GrammarMatcher` (the parse state): the sampler masks the tokens it does not allow,
-the runner feeds it the sampled token, and `check_stop` ends the completion once the
-grammar is complete and the model chose to end it.
+the engine loop) and keeps the most recent ones by tenant and the spec's content, so a
+schema that many of a tenant's requests share is compiled once for that tenant. No
+tenant gets a grammar another tenant's request compiled: its first token's latency
+would tell it that the other used that schema or tool definition recently. Each of a
+request's completions gets its own `GrammarMatcher` (the parse state): the sampler
+masks the tokens it does not allow, the runner feeds it the sampled token, and
+`check_stop` ends the completion once the grammar is complete and the model chose to
+end it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ ANY_OBJECT = '{"type": "object"}'
 SOURCE_LOCATION = re.compile(r"\[[0-9:]+\] \S+:\d+: ")
 """xgrammar's '[hh:mm:ss] file.cc:123: ' prefix on its error messages."""
 CACHE_SIZE = 256
-"""Compiled grammars kept per engine (least recently used dropped first)."""
+"""Compiled grammars kept per engine, every tenant's together (least recently used
+dropped first)."""
 
 
 @dataclass(frozen=True)
@@ -78,18 +82,21 @@ class GrammarCompiler:
         self._json_bits = _bits_without(control, vocab_size)
         self.vocab_size = vocab_size
         self.has_stop_tokens = bool(stop_token_ids)
-        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, spec: GuidedSpec) -> object:
+    def compile(self, spec: GuidedSpec, tenant: str = "") -> object:
+        """`spec` compiled, from the cache when `tenant` compiled it recently; another
+        tenant's entry is never used (the cache is per tenant, its bound shared)."""
+        key = (tenant, spec.key)
         with self._lock:
-            compiled = self._cache.get(spec.key)
+            compiled = self._cache.get(key)
             if compiled is not None:
-                self._cache.move_to_end(spec.key)
+                self._cache.move_to_end(key)
                 return compiled
         compiled = self._compile(spec)
         with self._lock:
-            self._cache[spec.key] = compiled
+            self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled

@@ -2,6 +2,10 @@
 turns chat messages (and the tools a chat offers) into prompt ids through its chat
 template.
 
+The tokenizer is the folder's tokenizer.json as saved when the folder declares the
+generic class, else the class AutoTokenizer picks; one that encodes text to no tokens
+fails the load, so a model never starts with every text prompt empty.
+
 Tools reach the model through the template when it renders them (it reads `tools`, as
 Qwen2.5's, Llama 3.1's and Hermes' do). A template that does not (SmolLM2's) gets them
 as a system message listing each function's JSON definition, and past assistant tool
@@ -17,11 +21,68 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(folder: str | Path):
-    """The folder's HF tokenizer; never reaches a model hub."""
-    from transformers import AutoTokenizer
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+"""The `tokenizer_class` values (tokenizer_config.json) saying that tokenizer.json is the
+whole tokenizer, whatever the model."""
+PROBE_TOKENS = 8
+"""How many vocabulary tokens, spread over the vocabulary, spell the load's probe text."""
 
-    return AutoTokenizer.from_pretrained(Path(folder), local_files_only=True)
+
+def load_tokenizer(folder: str | Path):
+    """The folder's HF tokenizer; never reaches a model hub. ValueError naming the
+    folder and the class when that tokenizer encodes text to no tokens."""
+    folder = Path(folder)
+    tokenizer = _load_declared_class(folder)
+    _check_encodes_text(folder, tokenizer)
+    return tokenizer
+
+
+def _declared_class(folder: Path) -> str | None:
+    """tokenizer_config.json's `tokenizer_class`; None when it has none or is unreadable."""
+    path = folder / "tokenizer_config.json"
+    try:
+        declared = json.loads(path.read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return declared if isinstance(declared, str) else None
+
+
+def _load_declared_class(folder: Path):
+    """A folder declaring the generic class over a tokenizer.json gets that file as
+    saved. transformers 5 honours that declaration for most model types, but for those
+    it distrusts the saved class of (qwen2 among them) builds the model type's own
+    class, which keeps only the file's vocabulary and merges under its own
+    pre-tokenizer: another kind of tokenizer saved there (word-level, say) then
+    encodes every text to nothing. Any other folder gets AutoTokenizer's choice."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    generic = _declared_class(folder) in GENERIC_TOKENIZER_CLASSES
+    if generic and (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def _probe_text(tokenizer) -> str:
+    """The text of PROBE_TOKENS tokens spread over the vocabulary, added and special
+    tokens left out (they match whole, before the tokenizer's model is consulted; a
+    tokenizer without `get_added_vocab`, mistral-common's, has none apart)."""
+    added = set(getattr(tokenizer, "get_added_vocab", dict)().values())
+    size = len(tokenizer)
+    spread = range(0, size, max(1, size // PROBE_TOKENS))
+    return tokenizer.decode([i for i in spread if i not in added][:PROBE_TOKENS])
+
+
+def _check_encodes_text(folder: Path, tokenizer) -> None:
+    """ValueError when text spelled by the tokenizer's own vocabulary encodes to no
+    tokens: every text prompt would be empty (a class that does not fit the folder's
+    tokenizer.json). A probe text that is blank decides nothing."""
+    text = _probe_text(tokenizer)
+    if text.strip() and not tokenizer.encode(text, add_special_tokens=False):
+        raise ValueError(
+            f"the tokenizer of {folder} ({type(tokenizer).__name__}) encodes text to no "
+            f"tokens ({text!r} gives none): its tokenizer_config.json's tokenizer_class "
+            "does not fit its tokenizer files"
+        )
 
 
 def _as_ids(value: object) -> set[int]:

@@ -39,9 +39,9 @@ def test_the_rayservice_embeds_serve_config_yaml():
     assert embedded["proxy_location"] == source["proxy_location"]
     assert embedded["http_options"] == {**source["http_options"], "host": "0.0.0.0"}
     head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
-    from loraplex.deployments.config import ModelDeploymentConfig, ServerOptions
+    from loraplex.deployments.config import IngressOptions, ServerOptions
 
-    drain = ModelDeploymentConfig.model_fields["drain_timeout_s"].default
+    drain = IngressOptions.model_fields["graceful_shutdown_timeout_s"].default
     graceful = ServerOptions.model_fields["graceful_shutdown_timeout_s"].default
     groups = [
         head,

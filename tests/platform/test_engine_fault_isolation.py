@@ -16,7 +16,15 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.adapters.slots import LoRASlots
 from loraplex.deployments.protocol import CompletionRequest
-from loraplex.platform.async_engine import AsyncEngine, EngineRestartedError, RequestFailedError
+from loraplex.platform.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRestartedError,
+    EngineStalledError,
+    EngineStoppedError,
+    RequestFailedError,
+    Supervision,
+)
 from loraplex.platform.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.llm import LLM
@@ -196,6 +204,99 @@ def test_a_shared_state_failure_resets_the_engine_in_place(setup):
         llm.engine.kv_cache.check_invariants()
     finally:
         engine.shutdown()
+
+
+def test_a_persistent_step_fault_stops_the_loop_after_the_restart_budget(setup):
+    """Issue 31.4: a fault that comes back on every step (a poisoned device, a recurring
+    OOM) must not fail every tenant's requests forever while the replica looks healthy:
+    after `max_restarts` restarts within the window the loop gives up and
+    `check_health` raises, so Serve replaces the replica."""
+    base, _, _ = setup
+    engine = AsyncEngine(
+        make_llm(base).engine, supervision=Supervision(max_restarts=2, restart_window_s=60)
+    )
+    FAILPOINTS.arm("engine.step")
+
+    async def attempt() -> BaseException | None:
+        try:
+            async for _ in engine.generate(PROMPTS[0], GREEDY):
+                pass
+        except (EngineRestartedError, EngineDeadError) as exc:
+            return exc
+        return None
+
+    async def scenario():
+        return [await attempt() for _ in range(4)]
+
+    try:
+        errors = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+        assert [type(e) for e in errors] == [
+            EngineRestartedError,
+            EngineRestartedError,
+            EngineDeadError,
+            EngineDeadError,
+        ]
+        assert "giving up" in str(errors[2])
+        with pytest.raises(EngineDeadError, match="giving up"):
+            engine.check_health()
+    finally:
+        FAILPOINTS.disarm()
+        engine.shutdown()
+
+
+def test_a_step_that_hangs_past_the_watchdog_fails_its_streams_and_health(setup):
+    """Issue 31.4: a hung step (here: a failpoint sleeping 3 s with a 0.5 s watchdog)
+    fails the open streams with a clear error and makes `check_health` raise."""
+    base, _, _ = setup
+    engine = AsyncEngine(make_llm(base).engine, supervision=Supervision(step_watchdog_s=0.5))
+
+    async def scenario():
+        stream = engine.generate(PROMPTS[0], GREEDY)
+        FAILPOINTS.arm("engine.delay", delay_s=3.0, times=1)
+        consumer = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(1.0)
+        with pytest.raises(EngineStalledError, match="no progress"):
+            engine.check_health()
+        with pytest.raises(EngineStalledError):
+            await asyncio.wait_for(consumer, timeout=5)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    finally:
+        engine.shutdown()
+
+
+def test_an_idle_engine_never_trips_the_watchdog(setup):
+    base, _, _ = setup
+    engine = AsyncEngine(
+        make_llm(base).engine, idle_poll_s=0.3, supervision=Supervision(step_watchdog_s=0.2)
+    )
+    try:
+        import time
+
+        time.sleep(1.0)
+        engine.check_health()
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_fails_the_streams_still_open(setup):
+    """Issue 31.9: a stopping engine ends its open streams with a clear error instead
+    of leaving their consumers waiting."""
+    base, _, _ = setup
+    engine = AsyncEngine(make_llm(base).engine)
+    long = dataclasses.replace(GREEDY, max_tokens=40)
+
+    async def scenario():
+        stream = engine.generate(PROMPTS[0], long)
+        await anext(stream)
+        FAILPOINTS.arm("engine.delay", delay_s=0.2)
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineStoppedError, match="shutting down"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=60))
 
 
 def test_the_async_engine_raises_request_failures_to_their_consumer_only(setup):

@@ -5,12 +5,15 @@ and LoRA requests, and the unguided ones are unchanged by their neighbours."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
 import jsonschema
 import pytest
 
+from loraplex.platform import guided as guided_module
+from loraplex.platform.async_engine import AsyncEngine
 from loraplex.platform.guided import GuidedSpec
 from loraplex.platform.llm import LLM
 from loraplex.platform.request import SamplingParams
@@ -153,6 +156,58 @@ def test_compiled_grammars_are_cached_by_content(llm):
     first = llm.engine.compile_grammar(GuidedSpec("regex", "[a-z]+"))
     assert llm.engine.compile_grammar(GuidedSpec("regex", "[a-z]+")) is first
     assert llm.engine.compile_grammar(GuidedSpec("regex", "[a-y]+")) is not first
+
+
+def counted_compiles(grammars, monkeypatch) -> list[GuidedSpec]:
+    """The specs `grammars` compiles from now on (cache hits are not compiles)."""
+    compiles = []
+    compile_spec = grammars._compile
+
+    def counting(spec):
+        compiles.append(spec)
+        return compile_spec(spec)
+
+    monkeypatch.setattr(grammars, "_compile", counting)
+    return compiles
+
+
+def test_compiled_grammars_are_cached_per_tenant(llm, monkeypatch):
+    """A tenant's request never reuses a grammar another tenant's request compiled (its
+    first-token latency would tell that the other used that schema); the same tenant's
+    next request does."""
+    compiles = counted_compiles(llm.engine.grammars, monkeypatch)
+    params = guided(GuidedSpec("regex", "per-tenant [a-c]+"))
+    for index, tenant in enumerate(["a", "a", "b"]):
+        llm.engine.make_request_group(f"tenant-{index}", PROMPTS[0], params, tenant=tenant)
+    assert len(compiles) == 2
+
+
+def test_the_async_engine_compiles_per_tenant(llm, monkeypatch):
+    """The served path: AsyncEngine compiles before it builds the request, under the
+    request's tenant."""
+    compiles = counted_compiles(llm.engine.grammars, monkeypatch)
+    params = guided(GuidedSpec("regex", "async per-tenant [a-c]+"), max_tokens=2)
+    engine = AsyncEngine(llm.engine)
+
+    async def scenario():
+        for tenant in ["a", "a", "b"]:
+            async for _ in engine.generate(PROMPTS[0], params, tenant=tenant):
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    finally:
+        engine.shutdown()
+    assert len(compiles) == 2
+
+
+def test_the_grammar_cache_bound_counts_every_tenant(llm, monkeypatch):
+    monkeypatch.setattr(guided_module, "CACHE_SIZE", 2)
+    grammars = llm.engine.grammars
+    spec = GuidedSpec("regex", "bounded [a-c]+")
+    for tenant in ["a", "b", "c"]:
+        grammars.compile(spec, tenant)
+    assert len(grammars._cache) == 2
 
 
 def test_a_grammar_the_vocabulary_cannot_spell_fails_that_request_alone(tiny_model_factory):

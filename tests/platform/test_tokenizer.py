@@ -1,7 +1,11 @@
-"""The chat-template helper every prompt-from-messages path uses (CLI, LLM.chat, the
-served chat endpoint through AsyncEngine.prompt_ids)."""
+"""The tokenizer a model folder loads (one that encodes its tokenizer.json's text, or a
+failed load) and the chat-template helper every prompt-from-messages path uses (CLI,
+LLM.chat, the served chat endpoint through AsyncEngine.prompt_ids)."""
 
 import copy
+import json
+import re
+import shutil
 
 import pytest
 
@@ -110,3 +114,39 @@ def test_a_template_without_tools_gets_them_in_a_system_message(tiny_model_facto
     )
     without_tools = tokenizer.decode(apply_chat_template(tokenizer, messages[1:2]))
     assert without_tools == "user: time?\n"
+
+
+def test_a_tokenizer_saved_for_another_model_type_encodes_as_its_tokenizer_json(
+    tiny_model_factory,
+):
+    """The qwen2 tiny model saves the word-level tokenizer under the generic class
+    (tokenizer_config.json: TokenizersBackend). transformers 5 swaps in Qwen2Tokenizer
+    for every qwen2 folder, which keeps only the vocabulary and encodes 'w3 w4' to
+    nothing; the folder's tokenizer.json is what must encode."""
+    from tokenizers import Tokenizer
+
+    folder = tiny_model_factory("qwen2")
+    backend_ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode("w3 w4").ids
+    assert backend_ids == [3, 4]
+    tokenizer = load_tokenizer(folder)
+    assert encode_text(tokenizer, "w3 w4", add_special_tokens=False) == backend_ids
+    assert apply_chat_template(tokenizer, MESSAGES) == [5, 6, 7, 1]
+
+
+def test_a_tokenizer_that_encodes_text_to_nothing_fails_the_model_start(
+    tiny_model_factory, tmp_path
+):
+    """A folder declaring a model-specific class its tokenizer.json does not fit
+    (Qwen2Tokenizer over a word-level vocabulary) gets a tokenizer that turns every
+    text into no tokens: the load fails, naming the folder and the class, rather than
+    every text prompt failing later as empty."""
+    folder = tmp_path / "mismatched"
+    shutil.copytree(tiny_model_factory("qwen2"), folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(config | {"tokenizer_class": "Qwen2Tokenizer"}))
+    expected = f"{re.escape(str(folder))}.*Qwen2Tokenizer.*encodes text to no tokens"
+    with pytest.raises(ValueError, match=expected):
+        load_tokenizer(folder)
+    with pytest.raises(ValueError, match=expected):
+        LLM(str(folder), max_model_len=64, dtype="float32")

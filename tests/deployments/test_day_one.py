@@ -1,0 +1,300 @@
+"""Issue 31, what an operator meets in the first week, against a real Serve app: a
+second application ("dayone", under /dayone) beside the session's, whose replicas this
+module kills, poisons and stalls without touching the session app's. Its ingress gives
+a first token 2 s (so a cold start longer than that shows) and a silent stream 3 s.
+
+- readiness: /health is computed from Serve's replica states, turns 503 within 5 s of
+  a model replica's death and 200 once its replacement is warm; a request sent during
+  the cold start waits for it and is served; one that cannot wait gets 503
+  `model_loading` with Retry-After;
+- supervision: a permanent step fault gets the replica replaced and the app serves
+  again; a stalled engine ends open streams with an inter-token timeout error;
+- budgets: a batch is charged the sum of its prompts' worst cases and counts prompts x
+  n toward concurrency;
+- early disconnects release the tenant's slots;
+- the tokenizer of a folder whose saved class differs from its model type encodes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from loraplex.deployments.tenants import hash_key
+
+APP, PREFIX = "dayone", "/dayone"
+KEY = "sk-dayone-test"
+BUDGET_KEY = "sk-dayone-budget-test"
+LIMITS = {"max_concurrent_requests": 4, "tokens_per_minute": 2000}
+
+
+@pytest.fixture(scope="module")
+def dayone(serve_setup, tiny_model_factory):
+    """The day-one app's base URL; removed after the module."""
+    from ray import serve
+
+    from loraplex.deployments.app import build_app
+
+    base = str(tiny_model_factory("llama", max_position_embeddings=2048))
+    engine = {
+        "dtype": "float32",
+        "max_model_len": 2048,
+        "max_num_seqs": 8,
+        "max_loras": 0,
+        "kv_cache_memory_bytes": 1 << 25,
+    }
+    server = {"num_cpus": 0.05, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 5}
+    config = {
+        "adapter_root": str(serve_setup.adapter_root),
+        "ingress": {"num_cpus": 0.05, "first_token_timeout_s": 2, "inter_token_timeout_s": 3},
+        "models": [
+            {
+                "name": "tiny",
+                "model": base,
+                "engine": engine,
+                "server": server,
+                "fault_injection": True,
+                "max_engine_restarts": 2,
+            },
+            {
+                "name": "impatient",
+                "model": base,
+                "engine": engine,
+                "server": server,
+                "cold_start_wait_s": 0.5,
+            },
+        ],
+        "tenants": [
+            {"name": "dayone", "api_key_sha256": [hash_key(KEY)], **LIMITS},
+            {"name": "budget", "api_key_sha256": [hash_key(BUDGET_KEY)], **LIMITS},
+        ],
+    }
+    serve.run(build_app(config), name=APP, route_prefix=PREFIX)
+    yield f"{serve_setup.url}{PREFIX}"
+    serve.delete(APP)
+
+
+def client(url: str, timeout: float = 60, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
+def health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def wait_for(predicate, timeout_s: float, what: str, period_s: float = 0.2) -> float:
+    """Seconds until `predicate()` held; fails after `timeout_s`."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s: {what}"
+        time.sleep(period_s)
+    return time.monotonic() - started
+
+
+def running_replica(model: str) -> dict:
+    """The running replica of `model` in the day-one app, as Serve's controller lists
+    it (actor_name, pid, ...)."""
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    replicas = details["applications"][APP]["deployments"][f"model-{model}"]["replicas"]
+    running = [r for r in replicas if r["state"] == "RUNNING"]
+    assert len(running) == 1, replicas
+    return running[0]
+
+
+def kill_replica(model: str) -> None:
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    actor = ray.get_actor(running_replica(model)["actor_name"], namespace=SERVE_NAMESPACE)
+    ray.kill(actor, no_restart=True)
+
+
+def complete(url: str, model: str = "tiny", max_tokens: int = 4, **options):
+    return client(url).completions.create(
+        model=model, prompt="w1 w2 w3", max_tokens=max_tokens, temperature=0, **options
+    )
+
+
+def test_health_follows_a_dead_replica_and_a_cold_start_request_is_served(dayone):
+    """Acceptance 3: /health turns 503 within 5 s of `ray.kill` of the model replica and
+    200 once the replacement is warm; a completion sent meanwhile waits for the
+    replacement instead of getting 503 'overloaded' after the first-token timeout (2 s
+    here, shorter than a replica's start)."""
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    kill_replica("tiny")
+    killed = time.monotonic()
+    wait_for(lambda: health(dayone)[0] == 503, 5, "/health turns 503 after the kill")
+    status, body = health(dayone)
+    assert status == 503 and "tiny" in body["waiting_for"], body
+    answer = complete(dayone)
+    assert answer.choices[0].text and answer.usage.completion_tokens == 4
+    wait_for(lambda: health(dayone)[0] == 200, 120, "/health back to 200 once warm")
+    assert time.monotonic() - killed > 2, "the replacement cannot have started this fast"
+
+
+def test_a_request_that_cannot_wait_for_a_cold_start_gets_model_loading(dayone):
+    """Item 2: a model whose `cold_start_wait_s` (0.5 s) is shorter than its replica's
+    start answers 503 `model_loading` with a Retry-After, not 'overloaded'."""
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    kill_replica("impatient")
+    wait_for(lambda: "impatient" in health(dayone)[1].get("waiting_for", []), 5, "not ready")
+    with pytest.raises(openai.APIStatusError) as refused:
+        complete(dayone, model="impatient")
+    error = refused.value
+    assert error.status_code == 503
+    assert error.body["code"] == "model_loading", error.body
+    assert int(error.response.headers["Retry-After"]) >= 1
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the replacement is warm")
+    assert complete(dayone, model="impatient").choices[0].text
+
+
+def test_a_permanent_step_fault_gets_the_replica_replaced(dayone):
+    """Acceptance 4: with `engine.step` armed for good, the replica gives up after its
+    restart budget (2), Serve replaces it within 60 s and the app serves again; no
+    request hangs meanwhile (each has a 30 s client timeout)."""
+    from ray import serve
+
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    before = running_replica("tiny")["pid"]
+    handle = serve.get_deployment_handle("model-tiny", app_name=APP)
+    handle.arm_failpoint.remote("engine.step").result(timeout_s=30)
+    armed = time.monotonic()
+    statuses = []
+    while time.monotonic() - armed < 60:
+        try:
+            client(dayone, timeout=30).completions.create(
+                model="tiny", prompt="w1 w2", max_tokens=2, temperature=0
+            )
+        except openai.APIStatusError as exc:
+            statuses.append(exc.status_code)
+            assert exc.status_code == 503, exc.body
+            time.sleep(0.5)
+            continue
+        break
+    else:
+        pytest.fail(f"no answer within 60 s of arming; statuses {statuses}")
+    assert statuses, "the armed fault never failed a request"
+    assert running_replica("tiny")["pid"] != before, "served by the poisoned replica"
+
+
+def test_a_stalled_engine_ends_open_streams_with_an_inter_token_timeout(dayone):
+    """Acceptance 4: with `engine.delay` at 10 s per step, an open stream ends with an
+    inter-token timeout error event (3 s here) instead of hanging."""
+    from ray import serve
+
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    handle = serve.get_deployment_handle("model-tiny", app_name=APP)
+    stream = client(dayone).completions.create(
+        model="tiny", prompt="w1 w2", max_tokens=200, temperature=0, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks)
+    handle.arm_failpoint.remote("engine.delay", None, None, 10.0).result(timeout_s=30)
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APIError, match="inter-token timeout"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - started < 15
+    finally:
+        handle.disarm_failpoints.remote().result(timeout_s=60)
+    wait_for(lambda: served(dayone), 60, "served again once disarmed (the last slow step ends)")
+
+
+def served(url: str) -> bool:
+    try:
+        return bool(complete(url).choices[0].text)
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503, exc.body
+        return False
+
+
+def test_a_batch_is_charged_the_sum_of_its_prompts(dayone):
+    """Item 5: prompts x n x max_tokens over the tenant's budget (2,000 tokens a minute)
+    is refused, although each prompt fits alone; prompts x n over its concurrency limit
+    (4) too; and the exact worst case over text prompts, once counted. A tenant of its
+    own, so no earlier usage stands in the window."""
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    api = client(dayone, key=BUDGET_KEY)
+    cases = [
+        ({"prompt": ["w1", "w2"], "n": 2, "max_tokens": 600}, "may generate up to 2400"),
+        ({"prompt": ["w1", "w2", "w3"], "n": 2, "max_tokens": 2}, "runs 6 sequences"),
+        ({"prompt": ["w5 " * 150, "w6 " * 150], "max_tokens": 900}, "over its prompts"),
+    ]
+    for options, message in cases:
+        with pytest.raises(openai.BadRequestError, match=message):
+            api.completions.create(model="tiny", temperature=0, stream=True, **options)
+    answer = api.completions.create(model="tiny", prompt=["w1", "w2"], n=2, max_tokens=3)
+    assert len(answer.choices) == 4
+
+
+def _open_and_drop(host: str, port: int, path: str, delay_s: float) -> None:
+    body = json.dumps(
+        {"model": "tiny", "prompt": "w1 w2", "max_tokens": 50, "stream": True}
+    ).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(head + body)
+        time.sleep(delay_s)
+
+
+def test_streams_dropped_right_after_sending_release_the_tenants_slots(dayone):
+    """Item 8: streams whose clients go away 0-50 ms after sending (many before their
+    first chunk) leave nothing in flight: afterwards the tenant still runs its full
+    concurrency (4) without a 429."""
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    host, port = dayone.split("//")[1].split("/")[0].split(":")
+    rng = random.Random(31)
+    delays = [rng.uniform(0.0, 0.05) for _ in range(300)]
+    with ThreadPoolExecutor(8) as pool:
+        list(
+            pool.map(
+                lambda d: _open_and_drop(host, int(port), f"{PREFIX}/v1/completions", d), delays
+            )
+        )
+    api = client(dayone)
+
+    def all_four_pass() -> bool:
+        results = []
+
+        def one():
+            try:
+                api.completions.create(model="tiny", prompt="w1", max_tokens=8, temperature=0)
+                results.append(200)
+            except openai.APIStatusError as exc:
+                results.append(exc.status_code)
+
+        threads = [threading.Thread(target=one) for _ in range(LIMITS["max_concurrent_requests"])]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return results == [200] * len(threads)
+
+    wait_for(all_four_pass, 30, "the tenant runs 4 at once again", period_s=1.0)
+
+
+def test_a_folder_whose_tokenizer_class_differs_from_its_model_encodes_text(serve_url, post):
+    """Item 13: `tiny-qwen` saves a word-level tokenizer under a Qwen2 config; text must
+    encode to its words' ids, not to nothing."""
+    status, body = post("/v1/tokenize", {"model": "tiny-qwen", "prompt": "w3 w4 w5"})
+    assert status == 200, body
+    assert body["count"] >= 3 and body["tokens"][-3:] == [3, 4, 5], body

@@ -386,14 +386,6 @@ def _check_fits_tenant(tenant: Tenant, calls: list[GenerateCall], n: int) -> Non
     (prompts x n) than its concurrency limit, or more output tokens alone (prompts x n x
     max_tokens) than its tokens-per-minute budget. A text prompt's own size is checked
     once the model server counted it (`_check_worst_case_fits_budget`)."""
-    sequences = len(calls) * n
-    limit = tenant.max_concurrent_requests
-    if limit is not None and sequences > limit:
-        raise OpenAIError(
-            400,
-            f"this request runs {sequences} sequences ({len(calls)} prompt(s) x n {n}), more "
-            f"than your limit of {limit} concurrent requests; lower n or send fewer prompts",
-        )
     budget = tenant.tokens_per_minute
     outputs = sum(n * call.params.max_tokens for call in calls if call.max_tokens_given)
     if budget is not None and outputs > budget:
@@ -402,6 +394,14 @@ def _check_fits_tenant(tenant: Tenant, calls: list[GenerateCall], n: int) -> Non
             f"this request may generate up to {outputs} tokens ({len(calls)} prompt(s) x n "
             f"{n} x max_tokens), more than your tokens_per_minute budget of {budget}; lower "
             "n, max_tokens or the number of prompts",
+        )
+    sequences = len(calls) * n
+    limit = tenant.max_concurrent_requests
+    if limit is not None and sequences > limit:
+        raise OpenAIError(
+            400,
+            f"this request runs {sequences} sequences ({len(calls)} prompt(s) x n {n}), more "
+            f"than your limit of {limit} concurrent requests; lower n or send fewer prompts",
         )
 
 

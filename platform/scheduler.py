@@ -33,23 +33,34 @@ its prompt's tokens (and the claimants') from running requests' prefill chunks. 
 light tenant's request thus starts at the next step, neither after a heavy tenant's
 request ends nor after its long prompt.
 
-LoRA: at most `max_loras` distinct adapters run at once (one device slot each). A
-waiting request whose adapter would need a slot while all are taken is skipped, and
-from then on only base-model requests may pass it: requests for resident adapters
-queue behind it, so the running adapters drain and a slot frees within the longest
-running request's remaining tokens (bounded wait, no starvation).
+LoRA: at most `max_loras` distinct adapters run at once (one device slot each). When
+the request the policy serves next (the queue's head; under `fair`, the head of the
+lowest-counter tenant) has an adapter that holds no slot, it becomes the slot gate
+(one at a time) until it starts. Meanwhile no other request with an adapter starts,
+even on a running adapter (base-model requests still do), and the gate starts first
+once its adapter finds a slot and it finds a place (under `fair`: the first free
+place, ahead of the other tenants' heads, or one its tenant reclaims). Bound, with no
+slot ever taken from a running request: the adapter requests running when it became
+the gate are the only ones left on the slots, so it has one once they end (a token per
+step once their prompt is computed, while the budget and KV blocks allow: within their
+longest remaining `max_tokens`); then a place at the latest when one more running
+request ends (unless base-model requests ranked before it, as by priority, take it).
+Within one step, a request that finds no slot also holds back the adapter requests
+after it in the admission order; under `fair`, a tenant head that finds no slot is
+passed over for the next tenant's in the free places.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from loraplex.platform.config import SchedulerConfig
-from loraplex.platform.fair_share import FairShare
+from loraplex.platform.fair_share import FairShare, tenant_queues
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request, RequestFailure, RequestStatus
 from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
@@ -123,6 +134,10 @@ class WaitingQueue:
         return iter([entry[3] for entry in self._entries])
 
 
+def _adapter_keys(requests: Sequence[Request]) -> set[bytes]:
+    return {r.adapter_key for r in requests if r.adapter_key is not None}
+
+
 class Scheduler:
     def __init__(
         self,
@@ -150,6 +165,9 @@ class Scheduler:
         """Virtual token counters per tenant (None unless the policy is `fair`)."""
         self._tenant_requests: Counter[str] = Counter()
         """Unfinished requests per tenant (the active tenants)."""
+        self.slot_gate: Request | None = None
+        """The waiting request no other adapter request may start before (module
+        docstring), or None."""
 
     # ---- admission -------------------------------------------------------------
     def add(self, group: list[Request]) -> None:
@@ -181,6 +199,7 @@ class Scheduler:
         preempted: list[Request] = []
         chunked = self.config.enable_chunked_prefill
 
+        self._open_slot_gate()
         claimants = self._reclaim_places(preempted)
         first = claimants + self._prefill_heads(claimants)
         reserve = min(budget, sum(r.num_uncomputed_tokens for r in first))
@@ -228,6 +247,26 @@ class Scheduler:
         """Identity keys of the adapters running requests use (each holds a slot)."""
         return {r.adapter_key for r in self.running if r.adapter_key is not None}
 
+    def _open_slot_gate(self) -> None:
+        """Makes the head of the waiting order the slot gate when no gate waits and its
+        adapter holds no slot (it may find a free one at once)."""
+        if self.slot_gate is not None:
+            return
+        head = next(self._waiting_order(), None)
+        if head is not None and head.adapter_key not in self.running_adapters() | {None}:
+            self.slot_gate = head
+
+    def _finds_slot(self, request: Request, adapters: set[bytes], gate: Request | None) -> bool:
+        """Whether `request` may start as far as adapter slots go, `adapters` being the
+        ones held: a base-model request always; while `gate` waits, no other request
+        with an adapter; else one whose adapter holds a slot or finds a free one."""
+        key = request.adapter_key
+        if key is None:
+            return True
+        if gate is not None and request is not gate:
+            return False
+        return key in adapters or len(adapters) < self.max_loras
+
     def _reclaim_places(self, preempted: list[Request]) -> list[Request]:
         """Under `fair` with a full batch, before the step is filled: moves places from
         over-served running tenants to waiting ones (module docstring), preempting one
@@ -241,15 +280,16 @@ class Scheduler:
             return []
         places: Counter[str] = Counter(r.tenant for r in self.running)
         weights = {r.tenant: r.tenant_weight for r in self.running}
-        queues: dict[str, deque[Request]] = {}
-        for request in self.waiting:
-            queues.setdefault(request.tenant, deque()).append(request)
-            weights.setdefault(request.tenant, request.tenant_weight)
+        queues = tenant_queues(self.waiting)
+        for tenant, queue in queues.items():
+            weights.setdefault(tenant, queue[0].tenant_weight)
         adapters = self.running_adapters()
+        gate = self.slot_gate
         claimants: list[Request] = []
         while len(self.running) + len(claimants) >= self.config.max_num_seqs:
             heads = {tenant: queue[0] for tenant, queue in queues.items() if queue}
-            move = self._next_place_move(places, weights, heads, adapters)
+            may_start = functools.partial(self._finds_slot, adapters=adapters, gate=gate)
+            move = self.fair_share.place_move(places, weights, heads, may_start)
             if move is None:
                 break
             claimant, donor = move
@@ -261,69 +301,43 @@ class Scheduler:
             preempted.append(victim)
             places[donor] -= 1
             places[claimant] += 1
-            adapters = self.running_adapters()
             claimants.append(queues[claimant].popleft())
+            adapters = self.running_adapters() | _adapter_keys(claimants)
+            if claimants[-1] is gate:
+                gate = None
         return claimants
 
     def _prefill_heads(self, claimants: list[Request]) -> list[Request]:
-        """Under `fair`: the head request of each waiting tenant that has no prompt being
-        computed (no running request with prompt tokens left) and no claimant, lowest
-        counter first, as many as there are free places, passing over a head whose
-        adapter would find no slot. They start this step ahead of running requests'
-        prefill chunks: each tenant gets one prompt under way before another tenant's
-        long prompt takes the whole step."""
+        """Under `fair`, as many as there are free places: the slot gate if it finds a
+        slot, then the head request of each other waiting tenant that has no prompt
+        being computed (no running request with prompt tokens left) and no claimant,
+        lowest counter first, passing over a head that may not start (`_finds_slot`).
+        They start this step ahead of running requests' prefill chunks: each tenant
+        gets one prompt under way before another tenant's long prompt takes the whole
+        step."""
         free = self.config.max_num_seqs - len(self.running) - len(claimants)
         if self.fair_share is None or not len(self.waiting) or free <= 0:
             return []
+        adapters = self.running_adapters() | _adapter_keys(claimants)
+        gate = None if any(r is self.slot_gate for r in claimants) else self.slot_gate
+        picked: list[Request] = []
+        if gate is not None and self._finds_slot(gate, adapters, gate):
+            picked.append(gate)
+            gate = None
         busy = {r.tenant for r in self.running if r.num_uncomputed_tokens > 1}
-        busy |= {r.tenant for r in claimants}
+        busy |= {r.tenant for r in claimants + picked}
         heads: dict[str, Request] = {}
         for request in self.waiting:
             if request.tenant not in busy:
                 heads.setdefault(request.tenant, request)
-        adapters = self.running_adapters() | {
-            r.adapter_key for r in claimants if r.adapter_key is not None
-        }
-        picked: list[Request] = []
         for tenant in sorted(
             heads, key=lambda t: (self.fair_share.counter(t), heads[t].arrival_time)
         ):
             if len(picked) >= free:
                 break
-            key = heads[tenant].adapter_key
-            if key is not None and key not in adapters:
-                if len(adapters) >= self.max_loras:
-                    continue
-                adapters.add(key)
-            picked.append(heads[tenant])
+            if self._finds_slot(heads[tenant], adapters | _adapter_keys(picked), gate):
+                picked.append(heads[tenant])
         return picked
-
-    def _next_place_move(
-        self,
-        places: Mapping[str, int],
-        weights: Mapping[str, float],
-        heads: Mapping[str, Request],
-        adapters: set[bytes],
-    ) -> tuple[str, str] | None:
-        """(claimant, donor): the waiting tenant with the fewest places per weight (then
-        the lowest counter) and the running tenant with the most, when moving one place
-        leaves the claimant with no more places per weight than the donor. None when no
-        move is fair; a claimant whose head needs an adapter slot while all are taken is
-        passed over (the victim need not free one)."""
-        if not heads or not places:
-            return None
-        donor = max(places, key=lambda t: (places[t] / weights[t], self.fair_share.counter(t)))
-        for claimant in sorted(
-            heads, key=lambda t: (places[t] / weights[t], self.fair_share.counter(t))
-        ):
-            if claimant == donor:
-                continue
-            if (places[claimant] + 1) / weights[claimant] > (places[donor] - 1) / weights[donor]:
-                return None
-            key = heads[claimant].adapter_key
-            if key is None or key in adapters or len(adapters) < self.max_loras:
-                return claimant, donor
-        return None
 
     def _admit_waiting(
         self, scheduled: list[ScheduledRequest], budget: int, first: Sequence[Request] = ()
@@ -332,7 +346,7 @@ class Scheduler:
         (claimants of reclaimed places, then `_prefill_heads`), then the queue's order."""
         chunked = self.config.enable_chunked_prefill
         adapters = self.running_adapters()
-        slot_blocked = False
+        gate = self.slot_gate
         admitted: set[int] = set()
         leading = {id(request) for request in first}
         order = itertools.chain(first, (r for r in self._waiting_order() if id(r) not in leading))
@@ -340,10 +354,9 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             key = request.adapter_key
-            if key is not None and slot_blocked:
-                continue
-            if key is not None and key not in adapters and len(adapters) >= self.max_loras:
-                slot_blocked = True
+            if not self._finds_slot(request, adapters, gate):
+                if gate is None:
+                    gate = request  # for this step: the adapter requests after it wait
                 continue
             cached = (
                 [] if request.needs_prompt_logprobs else self.kv_cache.find_cached_prefix(request)
@@ -356,6 +369,8 @@ class Scheduler:
             if not self.kv_cache.allocate(request, num_new, cached):
                 break
             admitted.add(id(request))
+            if request is self.slot_gate:
+                self.slot_gate = gate = None
             if key is not None:
                 adapters.add(key)
             request.num_computed_tokens = len(cached) * self.kv_cache.block_size
@@ -370,22 +385,11 @@ class Scheduler:
         return budget
 
     def _waiting_order(self) -> Iterator[Request]:
-        """Waiting requests in admission order: the queue's, or under `fair` the head of
-        the tenant with the lowest counter each time (charges made by the caller between
-        two items count for the next)."""
+        """Waiting requests in admission order: the queue's, or under `fair` the
+        lowest-counter tenant's head each time (`FairShare.order`)."""
         if self.fair_share is None:
-            yield from self.waiting
-            return
-        queues: dict[str, deque[Request]] = {}
-        for request in self.waiting:
-            queues.setdefault(request.tenant, deque()).append(request)
-        while queues:
-            heads = {tenant: queue[0].arrival_time for tenant, queue in queues.items()}
-            tenant = self.fair_share.next_tenant(heads)
-            queue = queues[tenant]
-            yield queue.popleft()
-            if not queue:
-                del queues[tenant]
+            return iter(self.waiting)
+        return self.fair_share.order(self.waiting)
 
     def _charge(self, request: Request, tokens: int) -> None:
         if self.fair_share is not None:
@@ -481,6 +485,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        if request is self.slot_gate:
+            self.slot_gate = None
         self.kv_cache.free(request, uncache=status is RequestStatus.FINISHED_ERROR)
         if self.requests.pop(request.request_id, None) is not None:
             self._tenant_requests[request.tenant] -= 1

@@ -8,6 +8,7 @@ credit is not banked while idle.
 
 import itertools
 
+import pytest
 from test_scheduler import adapter, make_group, make_scheduler, run_to_completion, step
 
 from loraplex.platform.fair_share import FairShare
@@ -226,3 +227,48 @@ def test_decodes_keep_their_tokens_when_a_placeless_tenant_starts():
     output, _ = step(scheduler)
     chunks = {item.request.request_id: item.num_tokens for item in output.scheduled}
     assert chunks == {"h0": 1, "h1": 1, "l0": 6}, "decodes first, then light; h2 waits"
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 8])
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_a_tenant_holding_every_adapter_slot_cannot_starve_another_adapter(policy, max_num_seqs):
+    """max_loras=2: 'heavy' sends one request a step, alternating its adapters x and y,
+    so both slots always have a request running and another waiting; 'light' sends one
+    request on adapter z at step 3. Bound: light is the request the policy serves next
+    from the step after it arrives (fair share: heavy is charged for the request it
+    starts at step 3), the heavy requests running then end within max_tokens - 1 more
+    steps (no heavy request starts meanwhile), so light starts at most max_tokens steps
+    after it arrived. With 4 places heavy keeps the batch full, with 8 it never does."""
+    scheduler = make_scheduler(
+        num_blocks=128, max_num_seqs=max_num_seqs, budget=64, policy=policy, max_loras=2
+    )
+    max_tokens, light_arrival, light_started = 4, 3, None
+    for step_index in range(40):
+        name = "xy"[step_index % 2]
+        scheduler.add(
+            make_group(
+                f"h{step_index}",
+                [1, 2, 3],
+                max_tokens,
+                arrival=step_index,
+                tenant="heavy",
+                lora=adapter(name),
+            )
+        )
+        if step_index == light_arrival:
+            scheduler.add(
+                make_group(
+                    "l0",
+                    [4, 5, 6],
+                    max_tokens,
+                    arrival=step_index + 0.5,
+                    tenant="light",
+                    lora=adapter("z"),
+                )
+            )
+        output, _ = step(scheduler)
+        if light_started is None and any(s.request.request_id == "l0" for s in output.scheduled):
+            light_started = step_index
+    assert light_started is not None, "the adapter-z request starved"
+    assert light_started - light_arrival <= max_tokens, light_started
+    run_to_completion(scheduler)

@@ -5,9 +5,11 @@ The property test throws random add / abort / step sequences at a small block po
 counts match block tables, free + used = total, budgets hold, and everything finishes.
 """
 
+import itertools
 import random
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -65,6 +67,7 @@ def step(scheduler, rng=None, token=1):
     output = scheduler.schedule()
     config = scheduler.config
     assert output.num_tokens <= config.max_num_batched_tokens
+    assert len(scheduler.running_adapters()) <= scheduler.max_loras
     ids = [item.request.request_id for item in output.scheduled]
     assert len(ids) == len(set(ids)), "a request was scheduled twice in one step"
     sampled = {}
@@ -251,6 +254,7 @@ operation = st.one_of(
         st.integers(1, 8),
         st.integers(1, 3),
         st.integers(0, 2),
+        st.integers(0, 3),  # adapter: 0 is the base model
     ),
     st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("step"), st.integers(1, 4)),
@@ -265,24 +269,32 @@ operation = st.one_of(
     budget=st.integers(4, 32),
     chunked=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority", "fair"]),
+    max_loras=st.integers(1, 2),
     seed=st.integers(0, 2**16),
 )
 def test_random_add_abort_step_keeps_invariants(
-    ops, num_blocks, max_num_seqs, budget, chunked, policy, seed
+    ops, num_blocks, max_num_seqs, budget, chunked, policy, max_loras, seed
 ):
     if not chunked:
         budget = max(budget, MAX_LEN)
     rng = random.Random(seed)
-    scheduler = make_scheduler(num_blocks, max_num_seqs, budget, chunked, policy)
+    scheduler = make_scheduler(num_blocks, max_num_seqs, budget, chunked, policy, max_loras)
     added = []
     for index, op in enumerate(ops):
         if op[0] == "add":
-            _, length, max_tokens, n, priority = op
+            _, length, max_tokens, n, priority, lora = op
             prompt = [rng.randrange(3) for _ in range(length)]
             group_id = f"r{index}"
             tenant = f"t{priority}"
             group = make_group(
-                group_id, prompt, max_tokens, n, priority, float(index), tenant=tenant
+                group_id,
+                prompt,
+                max_tokens,
+                n,
+                priority,
+                float(index),
+                lora=adapter(f"x{lora}") if lora else None,
+                tenant=tenant,
             )
             scheduler.add(group)
             added.append(group_id)
@@ -295,5 +307,90 @@ def test_random_add_abort_step_keeps_invariants(
     run_to_completion(scheduler, rng)
     assert scheduler.kv_cache.pool.num_free == num_blocks
     assert not scheduler.running and not len(scheduler.waiting) and not scheduler.fork_waiting
+    assert scheduler.slot_gate is None
     if scheduler.fair_share is not None:
         assert scheduler.fair_share.counters() == {}, "idle tenants' counters were kept"
+
+
+LORA_PROMPT = 8
+LORA_MAX_TOKENS = 4
+lora_arrival = st.tuples(
+    st.integers(0, 2),  # tenant
+    st.integers(0, 3),  # adapter: 0 is the base model
+    st.integers(1, LORA_PROMPT),
+    st.integers(1, LORA_MAX_TOKENS),
+)
+
+
+def policy_head(scheduler):
+    """The waiting request the scheduler serves next: the slot gate while one waits,
+    else the queue's head (under `fair`, the head of the lowest-counter tenant)."""
+    if scheduler.slot_gate is not None:
+        return scheduler.slot_gate
+    waiting = list(scheduler.waiting)
+    if not waiting or scheduler.fair_share is None:
+        return waiting[0] if waiting else None
+    heads = {}
+    for request in waiting:
+        heads.setdefault(request.tenant, request)
+    tenant = scheduler.fair_share.next_tenant({t: r.arrival_time for t, r in heads.items()})
+    return heads[tenant]
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arrivals=st.lists(st.lists(lora_arrival, max_size=4), min_size=1, max_size=30),
+    max_num_seqs=st.integers(1, 4),
+    max_loras=st.integers(1, 2),
+    chunked=st.booleans(),
+)
+def test_a_request_needing_an_adapter_slot_starts_within_a_bound(
+    policy, arrivals, max_num_seqs, max_loras, chunked
+):
+    """Random arrivals of tenants, adapters (shared between tenants) and lengths, one
+    list per step. The budget and KV blocks fit every request the batch can hold, so
+    each running request computes its prompt in one step and a token every step after:
+    it ends within LORA_MAX_TOKENS steps of starting. Bound: a request the policy
+    serves next while its adapter holds no slot starts at most 2 * (LORA_MAX_TOKENS - 1)
+    steps later. The adapter requests running then end within LORA_MAX_TOKENS - 1
+    steps (no other adapter request starts meanwhile), freeing a slot and their places;
+    if a fair place move gave such a place to a base-model request instead, another
+    running request ends within LORA_MAX_TOKENS - 1 more steps."""
+    budget = max_num_seqs * (LORA_PROMPT + LORA_MAX_TOKENS)
+    num_blocks = max_num_seqs * -(-(LORA_PROMPT + LORA_MAX_TOKENS) // BLOCK)
+    scheduler = make_scheduler(num_blocks, max_num_seqs, budget, chunked, policy, max_loras)
+    bound = 2 * (LORA_MAX_TOKENS - 1)
+    head_since: dict[str, int] = {}
+    started: set[str] = set()
+    index = itertools.count()
+    for step_index in itertools.count():
+        if step_index >= len(arrivals) and not scheduler.num_unfinished:
+            break
+        assert step_index < len(arrivals) + 200, "requests did not finish"
+        now = arrivals[step_index] if step_index < len(arrivals) else []
+        for tenant, lora, length, max_tokens in now:
+            i = next(index)
+            scheduler.add(
+                make_group(
+                    f"r{i}",
+                    [i % 3] * length,
+                    max_tokens,
+                    arrival=float(step_index),
+                    tenant=f"t{tenant}",
+                    lora=adapter(f"x{lora}") if lora else None,
+                )
+            )
+        head = policy_head(scheduler)
+        if head is not None and head.adapter_key not in scheduler.running_adapters() | {None}:
+            head_since.setdefault(head.request_id, step_index)
+        output, _ = step(scheduler)
+        assert not output.preempted or policy == "fair", "no KV preemption: blocks fit"
+        started |= {item.request.request_id for item in output.scheduled}
+        for request_id, since in head_since.items():
+            assert request_id in started or step_index - since <= bound, (
+                f"{request_id} needs an adapter slot and was served next at step {since},"
+                f" still waiting at step {step_index}"
+            )
+    assert scheduler.kv_cache.pool.num_free == num_blocks
+    assert not scheduler.running and not len(scheduler.waiting) and scheduler.slot_gate is None

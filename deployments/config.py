@@ -250,12 +250,22 @@ class PlatformConfig(StrictConfig):
     models: list[ModelDeploymentConfig] = Field(min_length=1)
     ingress: IngressOptions = Field(default_factory=IngressOptions)
     tenants: list[TenantConfig] = Field(
-        default_factory=list, description="API keys and ACLs; none: authentication is off"
+        default_factory=list,
+        description="API keys and ACLs; none is refused unless `auth: none` says so",
+    )
+    auth: Literal["api_keys", "none"] = Field(
+        "api_keys",
+        description="api_keys: every call needs a tenant's key (tenants must be listed); "
+        "none: no authentication at all, adapter registration included (logged loudly)",
     )
     operator: OperatorConfig = Field(
         default_factory=OperatorConfig,
-        description="operator keys for /metrics; without any, /metrics carries no tenant or "
-        "adapter names while tenants are configured",
+        description="operator keys for /metrics, the residency view and failpoints",
+    )
+    metrics_public: bool = Field(
+        False,
+        description="serve /metrics without an operator key (tenant and adapter names "
+        "hidden while tenants are configured); false: /metrics needs the operator key",
     )
     adapter_root: str = Field(
         default_factory=default_adapter_root,
@@ -281,6 +291,18 @@ class PlatformConfig(StrictConfig):
         for tenant in self.tenants:
             tenant.key_digests()
         self.operator.key_digests()
+        return self
+
+    @model_validator(mode="after")
+    def _authentication_is_explicit(self) -> PlatformConfig:
+        if self.auth == "api_keys" and not self.tenants:
+            raise ValueError(
+                "no tenants are configured: every endpoint, adapter registration included, "
+                "would be open to anyone. List tenants with API keys, or set `auth: none` "
+                "to serve without authentication"
+            )
+        if self.auth == "none" and self.tenants:
+            raise ValueError("`auth: none` with tenants listed: remove one or the other")
         return self
 
     def shared_adapters(self) -> dict[str, dict[str, str]]:

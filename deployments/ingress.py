@@ -459,6 +459,12 @@ class OpenAIIngress:
             "on" if self.tenants.auth_enabled else "off",
             config.adapter_root,
         )
+        self.metrics_public = config.metrics_public
+        if not self.tenants.auth_enabled:
+            logger.warning(
+                "AUTHENTICATION IS OFF (auth: none): anyone who reaches this port may use "
+                "every model and register, unload and delete adapters"
+            )
 
     def _tenant(self, request: Request) -> Tenant:
         try:
@@ -495,11 +501,19 @@ class OpenAIIngress:
         )
 
     def _hidden_metric_labels(self, authorization: str | None) -> frozenset[str]:
-        """401 without the operator key when one is configured; else the labels this
-        caller may not see (tenant and adapter names, when tenants are configured)."""
+        """401 without the operator key when one is configured; 403 when none is and
+        the config does not say `metrics_public: true`; else the labels this caller may
+        not see (tenant and adapter names, when tenants are configured)."""
         if self.operator_digests:
             self._require_operator(authorization, "/metrics")
             return frozenset()
+        if not self.metrics_public:
+            raise OpenAIError(
+                403,
+                "/metrics is private: configure an operator key (operator.api_key_sha256) "
+                "or set metrics_public: true",
+                code="metrics_private",
+            )
         return TENANT_LABELS if self.tenants.auth_enabled else frozenset()
 
     def _require_operator(self, authorization: str | None, what: str) -> None:

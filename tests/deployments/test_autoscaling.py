@@ -111,6 +111,7 @@ def scaling_app(serve_setup, tmp_path_factory):
     from loraplex.deployments.app import build_app
 
     config = {
+        "auth": "none",
         "adapter_root": str(tmp_path_factory.mktemp("scaling-root")),
         "models": [
             {
@@ -199,6 +200,7 @@ def zero_app(serve_setup, tmp_path_factory):
     from loraplex.deployments.app import build_app
 
     config = {
+        "auth": "none",
         "adapter_root": str(tmp_path_factory.mktemp("zero-root")),
         # A request that arrives at zero replicas waits for a cold start.
         "ingress": {"first_token_timeout_s": 180},
@@ -264,6 +266,7 @@ def spread_app(serve_setup, tmp_path_factory):
     from loraplex.deployments.app import build_app
 
     config = {
+        "auth": "none",
         "adapter_root": str(tmp_path_factory.mktemp("spread-root")),
         "models": [
             {

@@ -298,3 +298,36 @@ def test_a_folder_whose_tokenizer_class_differs_from_its_model_encodes_text(serv
     status, body = post("/v1/tokenize", {"model": "tiny-qwen", "prompt": "w3 w4 w5"})
     assert status == 200, body
     assert body["count"] >= 3 and body["tokens"][-3:] == [3, 4, 5], body
+
+
+def test_an_app_without_tenants_refuses_to_start_unless_auth_none_says_so(tiny_model_factory):
+    """Item 12: with no `tenants`, every endpoint (adapter registration included) would
+    be open to anyone: the app refuses to build unless the config says `auth: none`."""
+    from pydantic import ValidationError
+
+    from loraplex.deployments.app import build_app
+
+    models = [{"name": "tiny", "model": str(tiny_model_factory("llama"))}]
+    with pytest.raises(ValidationError, match="no tenants are configured"):
+        build_app({"models": models})
+    with pytest.raises(ValidationError, match="auth: none. with tenants listed"):
+        build_app(
+            {
+                "models": models,
+                "auth": "none",
+                "tenants": [{"name": "t", "api_key_sha256": [hash_key("k")]}],
+            }
+        )
+    assert build_app({"models": models, "auth": "none"}) is not None
+
+
+def test_metrics_without_an_operator_key_are_private_unless_public(dayone):
+    """Item 12: the day-one app has no operator key and no `metrics_public`: /metrics
+    answers 403 in OpenAI error JSON, to tenants and strangers alike."""
+    for key in (KEY, None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        request = urllib.request.Request(f"{dayone}/metrics", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 403
+        assert json.loads(refused.value.read())["error"]["code"] == "metrics_private"

@@ -147,6 +147,7 @@ def app(cluster, tiny_model_factory, peft_adapter_factory, tmp_path_factory, pic
             }
         ],
         "tenants": [{"name": "acme", "api_key_sha256": [hash_key(KEY)]}],
+        "metrics_public": True,
     }
     port = pick_port()
     config = {
@@ -154,8 +155,12 @@ def app(cluster, tiny_model_factory, peft_adapter_factory, tmp_path_factory, pic
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [
             app_config("loraplex", "/", loraplex),
-            app_config("tp", "/tp", {"models": [tp_model(base, 0.1, 0.4)]}),
-            app_config("tp-too-big", "/tp-too-big", {"models": [tp_model(base, 0.6, 0.6)]}),
+            app_config("tp", "/tp", {"auth": "none", "models": [tp_model(base, 0.1, 0.4)]}),
+            app_config(
+                "tp-too-big",
+                "/tp-too-big",
+                {"auth": "none", "models": [tp_model(base, 0.6, 0.6)]},
+            ),
         ],
     }
     path = tmp_path_factory.mktemp("multinode-config") / "serve_config.yaml"

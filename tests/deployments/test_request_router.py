@@ -197,6 +197,7 @@ def pair_app(serve_setup, operator_key):
     from loraplex.deployments.app import build_app
 
     config = {
+        "auth": "none",
         "adapter_root": str(serve_setup.adapter_root),
         "models": [
             {

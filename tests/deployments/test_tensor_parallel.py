@@ -40,6 +40,7 @@ def tp_app(serve_setup, tmp_path_factory):
     from loraplex.deployments.app import build_app
 
     config = {
+        "auth": "none",
         "adapter_root": str(tmp_path_factory.mktemp("tp-root")),
         "models": [
             {

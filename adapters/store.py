@@ -62,7 +62,9 @@ class StoreStats:
     hits: int = 0
     evictions: int = 0
     failures: int = 0
-    load_seconds: list[float] = field(default_factory=list)
+    load_seconds: dict[CacheKey, float] = field(default_factory=dict)
+    """How long the read of each copy now in host memory took; an evicted copy's goes
+    with it (every catalog version is a new copy)."""
 
 
 def _signature(folder: Path) -> tuple[tuple[int, int], ...]:
@@ -129,7 +131,7 @@ class AdapterStore:
             if folder is None:
                 raise AdapterError(f"adapter {name!r} is not registered")
             for key in [k for k in self._cache if k[0] == folder]:
-                del self._cache[key]
+                self._drop(key)
         logger.info("adapter %s unregistered", name)
 
     def names(self) -> list[str]:
@@ -213,12 +215,13 @@ class AdapterStore:
             self._inflight.pop(key, None)
             self._cache[key] = (signature, adapter)
             self._cache.move_to_end(key)
+            self.stats.load_seconds[key] = elapsed
             while len(self._cache) > self.max_cpu_loras:
-                evicted, (_, old) = self._cache.popitem(last=False)
+                evicted = next(iter(self._cache))
+                old = self._drop(evicted)
                 self.stats.evictions += 1
                 logger.info("adapter %s evicted from host memory (%s)", old.name, evicted[0])
             self.stats.loads += 1
-            self.stats.load_seconds.append(elapsed)
         logger.info(
             "adapter %s loaded from %s in %.1f ms (rank %d, %d modules, key %s)",
             name,
@@ -235,11 +238,18 @@ class AdapterStore:
         requests already holding it keep theirs."""
         key = (Path(folder) if version is not None else Path(folder).resolve(), version)
         with self._lock:
-            evicted = self._cache.pop(key, None) is not None
+            evicted = key in self._cache
+            if evicted:
+                self._drop(key)
         if evicted:
             self.stats.evictions += 1
             logger.info("adapter at %s evicted from host memory", folder)
         return evicted
+
+    def _drop(self, key: CacheKey) -> LoRAAdapter:
+        """Removes a host copy and its load time (the lock held)."""
+        self.stats.load_seconds.pop(key, None)
+        return self._cache.pop(key)[1]
 
     @property
     def num_cached(self) -> int:

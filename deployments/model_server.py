@@ -8,7 +8,8 @@ Its jobs:
 - run the call on the LoRA adapter named by the Serve multiplexed model id (see
   catalog.py): `serve.multiplexed` keeps up to `max_cpu_loras` adapters resident per
   replica and tells Serve's router which replica holds which, so an adapter's requests
-  land where it is loaded; an adapter evicted there leaves the engine's host store too;
+  land where it is loaded; an adapter evicted there leaves the engine's host store and
+  the replica's per-adapter request counts too (no per-model-id state outlives it);
 - report bad input as a `GenerateError` (the ingress maps it to a 4xx) instead of
   raising, so nothing a client sends fails the replica: that includes a request that
   alone needs more tokens than its tenant's budget or the KV cache, and a request the
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -147,10 +149,69 @@ class GenerateError:
     retry_after_s: int | None = None
 
 
+class AdapterRequests:
+    """This replica's requests per multiplexed model id since it started ('' is the base
+    model), and the time of each adapter's latest request.
+
+    Every register or unload mints a new model id (catalog.py), so no entry may outlive
+    its use: an adapter's count lasts while this replica holds it (`evicted` drops it
+    when Serve evicts the adapter; loaded again, it counts from zero, which the registry
+    reads as a restart), and its latest request time lasts `demand_window_s` (an adapter
+    evicted but still requested is what the autoscaler counts as demand over capacity).
+    `forget` drops both for an adapter whose load failed. The base model's '' stays.
+    Serve runs an eviction in a thread, hence the lock."""
+
+    def __init__(self, demand_window_s: float) -> None:
+        self._window_s = demand_window_s
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._last_request: dict[str, float] = {}
+        self._pruned_at = -math.inf
+
+    def record(self, model_id: str, now: float) -> None:
+        """One request for `model_id` at monotonic time `now`; request times older than
+        the window are dropped once per window."""
+        with self._lock:
+            self._counts[model_id] += 1
+            if model_id:
+                self._last_request[model_id] = now
+            if now - self._pruned_at >= self._window_s:
+                self._prune(now)
+
+    def evicted(self, model_id: str) -> None:
+        """The replica no longer holds the adapter: its count goes."""
+        if model_id:
+            with self._lock:
+                self._counts.pop(model_id, None)
+
+    def forget(self, model_id: str) -> None:
+        """The adapter never loaded: its count and request time go."""
+        if model_id:
+            with self._lock:
+                self._counts.pop(model_id, None)
+                self._last_request.pop(model_id, None)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def in_demand(self, now: float) -> list[str]:
+        """The adapters requested within the window before `now`."""
+        with self._lock:
+            self._prune(now)
+            return sorted(self._last_request)
+
+    def _prune(self, now: float) -> None:
+        since = now - self._window_s
+        self._last_request = {m: t for m, t in self._last_request.items() if t >= since}
+        self._pruned_at = now
+
+
 class ResidentAdapter:
     """What `serve.multiplexed` caches per adapter: its catalog entry and the loaded
     adapter (so a request resolves its adapter once). When Serve evicts it (LRU past
-    `max_num_models_per_replica`) the engine drops its host copy."""
+    `max_num_models_per_replica`) the engine drops its host copy and the replica
+    forgets the adapter's request counts."""
 
     def __init__(
         self,
@@ -158,11 +219,13 @@ class ResidentAdapter:
         adapter: LoRAAdapter,
         engine: AsyncEngine,
         resident_keys: dict[str, bytes],
+        requests: AdapterRequests,
     ) -> None:
         self.entry = entry
         self.adapter = adapter
         self._engine: AsyncEngine | None = engine
         self._resident_keys = resident_keys
+        self._requests = requests
         resident_keys[entry.model_id] = adapter.key
 
     def __del__(self) -> None:
@@ -170,6 +233,7 @@ class ResidentAdapter:
         if engine is not None:
             engine.evict_adapter(self.entry.folder, _pinned_version(self.entry))
             self._resident_keys.pop(self.entry.model_id, None)
+            self._requests.evicted(self.entry.model_id)
 
 
 def _pinned_version(entry: AdapterEntry) -> int | None:
@@ -219,9 +283,7 @@ class ModelServer:
         )
         self._resident_keys: dict[str, bytes] = {}
         """Multiplexed model id -> adapter key of every adapter this replica holds."""
-        self._requests_by_model_id: Counter[str] = Counter()
-        self._adapter_last_request: dict[str, float] = {}
-        """Multiplexed model id -> monotonic time of its latest request here."""
+        self._requests = AdapterRequests(config.server.adapter_demand_window_s)
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_stats, daemon=True)
         self._reporter.start()
@@ -251,15 +313,22 @@ class ModelServer:
             raise
         self.metrics.adapter_loads.inc(1, {**self.metrics.tags, "result": "ok"})
         self.metrics.adapter_load.observe(time.perf_counter() - started, self.metrics.tags)
-        return ResidentAdapter(entry, adapter, self.engine, self._resident_keys)
+        return ResidentAdapter(entry, adapter, self.engine, self._resident_keys, self._requests)
 
     async def _adapter_for_call(self) -> LoRAAdapter | None:
+        """The call's adapter, counted as one request for it; a failed load (not in the
+        catalog, bad files, the call cancelled) of an adapter this replica does not hold
+        forgets it, so an id that never loads leaves no entry behind."""
         model_id = serve.get_multiplexed_model_id() if _in_serve() else ""
-        self._requests_by_model_id[model_id] += 1
+        self._requests.record(model_id, time.monotonic())
         if not model_id:
             return None
-        self._adapter_last_request[model_id] = time.monotonic()
-        return (await self._resident(model_id)).adapter
+        try:
+            return (await self._resident(model_id)).adapter
+        except BaseException:
+            if model_id not in self._resident_keys:
+                self._requests.forget(model_id)
+            raise
 
     async def prefetch_adapter(self) -> bool:
         """Loads the adapter named by the call's multiplexed model id into this replica's
@@ -374,24 +443,22 @@ class ModelServer:
     def record_routing_stats(self) -> dict[str, Any]:
         """Where this replica's adapters sit, for the request router
         (deployments/request_router.py; Serve polls it): the multiplexed model ids in
-        device slots and in host memory, and the requests per model id it has served."""
+        device slots and in host memory, and the requests per model id it has served (an
+        adapter's while this replica holds it: `AdapterRequests`)."""
         in_slots = self.engine.device_adapter_keys()
         resident = dict(self._resident_keys)
         return {
             "device": sorted(m for m, key in resident.items() if key in in_slots),
             "host": sorted(resident),
-            "requests": dict(self._requests_by_model_id),
+            "requests": self._requests.counts(),
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (deployments/autoscaling.py): the distinct
         adapters this replica served within `server.adapter_demand_window_s`, and how
         many it holds in host memory."""
-        since = time.monotonic() - self.config.server.adapter_demand_window_s
-        recent = {m: t for m, t in self._adapter_last_request.items() if t >= since}
-        self._adapter_last_request = recent
         return {
-            ADAPTERS_IN_DEMAND: float(len(recent)),
+            ADAPTERS_IN_DEMAND: float(len(self._requests.in_demand(time.monotonic()))),
             HOST_ADAPTER_CAPACITY: float(self._host_adapter_capacity),
         }
 

@@ -8,9 +8,11 @@ d >= HOT_MIN_REQUESTS requests should be held by min(n, ceil(d / (D / n))) repli
 while fewer hold it, `replication_plan` names it, and `HotAdapterReplicator` asks the
 model deployment to load it on one more replica (`ModelServer.replicate_adapter`; the
 router sends that call to a replica that does not hold it, deployments/request_router.py),
-at most once per adapter every `COOLDOWN_S`. The router then spreads the adapter's
-requests over its holders by queue length. A load runs off the engine loop, as every
-adapter load does, so replication never holds up requests.
+at most once per adapter every `COOLDOWN_S` (only the cooldowns still running are kept:
+every register or unload mints a new model id, and an expired cooldown holds nothing
+back). The router then spreads the adapter's requests over its holders by queue length.
+A load runs off the engine loop, as every adapter load does, so replication never holds
+up requests.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class HotAdapterReplicator:
         self._replicate = replicate
         self._clock = clock
         self._sent_at: dict[tuple[str, str], float] = {}
+        """(model, model id) -> when it was last sent, for the cooldowns still running."""
         self._stop = threading.Event()
 
     def start(self) -> None:
@@ -95,10 +98,11 @@ class HotAdapterReplicator:
     def due(self) -> list[Replication]:
         """The planned replications whose adapter is out of its cooldown (marked sent)."""
         now = self._clock()
+        self._sent_at = {k: t for k, t in self._sent_at.items() if now - t < COOLDOWN_S}
         due = []
         for replication in replication_plan(self._read_view()):
             key = (replication.model, replication.model_id)
-            if now - self._sent_at.get(key, -math.inf) >= COOLDOWN_S:
+            if key not in self._sent_at:
                 self._sent_at[key] = now
                 due.append(replication)
         return due

@@ -9,7 +9,10 @@ after `STALE_AFTER_S`. The ingress reads the registry for `GET /v1/admin/residen
 (operator key), adding the disk tier (every adapter its catalog knows).
 
 Demand: from the cumulative request counts of successive reports the registry keeps,
-per replica and adapter, the requests of the last `DEMAND_WINDOW_S` seconds.
+per replica and adapter, the requests of the last `DEMAND_WINDOW_S` seconds. A replica
+counts an adapter only while it holds it (every register or unload mints a new model id),
+so the registry keeps the reports of the window alone, and in them only the ids the
+replica's newest report counts; a count lower than the one before restarted from zero.
 
 The router does not read this registry: Serve hands it each replica's routing stats
 directly (deployments/request_router.py); both come from the same replica state. The
@@ -62,10 +65,23 @@ class _Entry:
     seen_at: float
     history: deque[tuple[float, dict[str, int]]] = field(default_factory=deque)
 
+    def add(self, report: ReplicaResidency, now: float) -> None:
+        """Takes a replica's newer report. An id whose count went down (to nothing: the
+        replica let the adapter go; or restarted from zero) leaves the history, so its
+        demand counts from zero and the history holds only the ids reported now."""
+        counts = report.requests
+        restarted = [m for m, count in self.report.requests.items() if counts.get(m, 0) < count]
+        if restarted:
+            for _, requests in self.history:
+                for model_id in restarted:
+                    requests.pop(model_id, None)
+        self.report, self.seen_at = report, now
+        self.history.append((now, dict(report.requests)))
+        self._trim(now)
+
     def demand(self, now: float) -> dict[str, int]:
         """Requests per model id over the demand window (from the oldest report in it)."""
-        while len(self.history) > 1 and self.history[1][0] <= now - DEMAND_WINDOW_S:
-            self.history.popleft()
+        self._trim(now)
         _, oldest = self.history[0]
         newest = self.report.requests
         return {
@@ -73,6 +89,11 @@ class _Entry:
             for model_id, count in newest.items()
             if count - oldest.get(model_id, 0) > 0
         }
+
+    def _trim(self, now: float) -> None:
+        """Drops the reports older than the oldest one the window needs."""
+        while len(self.history) > 1 and self.history[1][0] <= now - DEMAND_WINDOW_S:
+            self.history.popleft()
 
 
 class ResidencyRegistry:
@@ -107,8 +128,7 @@ class ResidencyRegistry:
         if entry is None:
             logger.info("replica %s of %s joined the residency view", report.replica, report.model)
             entry = self._entries[key] = _Entry(report, now)
-        entry.report, entry.seen_at = report, now
-        entry.history.append((now, dict(report.requests)))
+        entry.add(report, now)
 
     def withdraw(self, model: str, replica: str) -> None:
         with self._lock:

@@ -71,7 +71,7 @@ def test_host_cache_is_lru_with_counts(base, folders):
     assert store.load("alpha") is first
     store.load("beta")
     assert store.stats.loads == 4
-    assert len(store.stats.load_seconds) == 4
+    assert set(store.stats.load_seconds) == {(folders["alpha"], None), (folders["beta"], None)}
 
 
 def test_files_rewritten_in_place_are_reloaded_with_a_new_identity(
@@ -154,3 +154,28 @@ def test_async_engine_serves_others_while_an_adapter_loads(base, folders):
         assert finished == ["base", "lora"]
     finally:
         engine.shutdown()
+
+
+class StubAdapter:
+    """What the store reads of a loaded adapter, without reading files."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.rank, self.modules, self.key_hex = name, 1, {}, "0" * 12
+
+
+def test_load_times_are_kept_for_the_copies_in_host_memory_only(tmp_path):
+    """Every catalog version is a new copy: 10,000 versions loaded, half of them evicted
+    at once, keep no more load times than the host cache holds copies."""
+    store = AdapterStore(None, 16, 2, loader=lambda folder, *_, **__: StubAdapter(folder.name))
+    for version in range(10_000):
+        store.load(tmp_path, "a", root=tmp_path, version=version)
+        if version % 2:
+            store.evict(tmp_path, version)
+    assert len(store.stats.load_seconds) <= store.max_cpu_loras
+    assert set(store.stats.load_seconds) == {(tmp_path, 9998)}
+    store.register("a", tmp_path)
+    store.load("a")
+    assert set(store.stats.load_seconds) == {(tmp_path, 9998), (tmp_path, None)}
+    store.unregister("a")
+    assert store.stats.load_seconds == {}, "unregister drops every copy of the folder"
+    store.shutdown()

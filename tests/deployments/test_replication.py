@@ -7,6 +7,7 @@ from __future__ import annotations
 from loraplex.deployments.replication import (
     COOLDOWN_S,
     HOT_MIN_REQUESTS,
+    PERIOD_S,
     HotAdapterReplicator,
     Replication,
     replication_plan,
@@ -71,3 +72,17 @@ def test_a_replication_call_goes_to_a_replica_without_the_adapter_home_first():
     assert rank_for_replication(views, home="c1") == [["c1"], ["c2"], ["d", "h"]]
     assert rank_for_replication(views, home="d") == [["c1", "c2"], ["d", "h"]]
     assert rank_for_replication(views[:2]) == [["d", "h"]], "all hold it: any of them"
+
+
+def test_the_cooldowns_kept_are_those_of_the_last_cooldown_only():
+    """Every register or unload mints a model id: 10,000 hot ids one after another
+    leave only the cooldowns that can still hold an adapter back."""
+    now = [0.0]
+    view = [replica("r1", [], {}), replica("r2", [], {})]
+    replicator = HotAdapterReplicator(lambda: view, lambda r: None, clock=lambda: now[0])
+    for i in range(10_000):
+        model_id = f"t/a@{i}"
+        view[0]["host"], view[0]["demand"] = [model_id], {model_id: 100}
+        assert [r.model_id for r in replicator.due()] == [model_id]
+        now[0] += PERIOD_S
+    assert len(replicator._sent_at) <= COOLDOWN_S / PERIOD_S + 1

@@ -73,3 +73,42 @@ def test_demand_is_the_requests_of_the_window(clock):
     clock.now += 1
     registry.publish(report("r1", {"a": 12, "b": 9, "c": 1}))
     assert registry.view()[0]["demand"] == {"b": 5, "c": 1}
+
+
+def history_ids(registry: ResidencyRegistry, replica: str = "r1") -> tuple[int, set[str]]:
+    """(snapshots, model ids over all of them) the registry keeps for a replica's demand."""
+    history = registry._entries[("m", replica)].history
+    return len(history), {model_id for _, requests in history for model_id in requests}
+
+
+def test_demand_history_holds_only_the_window_and_the_ids_still_reported(clock):
+    """10,000 adapters loaded and evicted one after another (each a new model id), the
+    view never read: the history keeps the window's reports, of the ids reported now."""
+    registry = ResidencyRegistry()
+    for i in range(10_000):
+        clock.now += 1
+        registry.publish(report("r1", {"": i, f"t/a@{i}": 1, f"t/a@{i + 1}": 1}))
+    snapshots, ids = history_ids(registry)
+    assert snapshots <= DEMAND_WINDOW_S + 2
+    assert ids == {"", "t/a@9999", "t/a@10000"}
+    demand = registry.view()[0]["demand"]
+    assert demand == {"": int(DEMAND_WINDOW_S), "t/a@9999": 1, "t/a@10000": 1}
+
+
+def test_a_count_that_restarted_counts_from_zero(clock):
+    """A replica forgets an evicted adapter's count; loaded again, it counts anew."""
+    registry = ResidencyRegistry()
+    registry.publish(report("r1", {"a": 50}))
+    clock.now += 1
+    registry.publish(report("r1", {"a": 3}))
+    assert registry.view()[0]["demand"] == {"a": 3}
+
+
+def test_a_restarted_count_leaves_the_older_reports(clock):
+    registry = ResidencyRegistry()
+    registry.publish(report("r1", {"a": 50}))
+    clock.now += 1
+    registry.publish(report("r1", {"a": 3}))
+    clock.now += 1
+    registry.publish(report("r1", {"a": 60}))
+    assert registry.view()[0]["demand"] == {"a": 60}

@@ -39,7 +39,7 @@ KEY = "sk-multinode-test"
 ADAPTER = "mine"
 PROMPT = [5, 6, 7, 8, 9, 10]
 ENGINE = {"dtype": "float32", "max_model_len": 128, "max_lora_rank": 8}
-DEPLOY_TIMEOUT_S = 300
+DEPLOY_TIMEOUT_S = 600
 
 
 def completion(url: str, model: str) -> tuple[int, dict]:
@@ -168,13 +168,36 @@ def app(cluster, tiny_model_factory, peft_adapter_factory, tmp_path_factory, pic
     cluster.serve_deploy(path)
     settled = {"loraplex": "RUNNING", "tp": "RUNNING", "tp-too-big": "DEPLOY_FAILED"}
 
+    seen: list[dict] = []
+
     def deployed():
-        statuses = {name: details["status"] for name, details in cluster.serve().items()}
+        apps = cluster.serve()
+        seen[:] = [
+            {
+                name: (
+                    details["status"],
+                    details.get("message", "")[:300],
+                    {
+                        d: (
+                            dd["status"],
+                            dd.get("message", "")[:200],
+                            [r["state"] for r in dd["replicas"]],
+                        )
+                        for d, dd in details.get("deployments", {}).items()
+                    },
+                )
+                for name, details in apps.items()
+            }
+        ]
+        statuses = {name: details["status"] for name, details in apps.items()}
         failed = [n for n, s in statuses.items() if s == "DEPLOY_FAILED" and settled[n] != s]
-        assert not failed, cluster.serve()
+        assert not failed, apps
         return statuses == settled
 
-    wait_for(deployed, DEPLOY_TIMEOUT_S, f"applications {settled}")
+    try:
+        wait_for(deployed, DEPLOY_TIMEOUT_S, f"applications {settled}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen: {seen}") from None
     return f"http://127.0.0.1:{port}"
 
 

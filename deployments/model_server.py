@@ -579,11 +579,6 @@ class ModelServer:
         except ValueError as exc:
             return GenerateError(400, str(exc), param="tokens")
 
-    def ready(self) -> str:
-        """Answers once this replica is up (constructed and warmed up): the ingress's
-        readiness probe."""
-        return self.config.name
-
     def check_health(self) -> None:
         self.engine.check_health()
 

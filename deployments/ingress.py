@@ -43,6 +43,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.deployments.adapter_validation import AdapterValidator
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import PlatformConfig, model_deployment_name
 from loraplex.deployments.errors import OpenAIError, error_response
@@ -450,6 +451,7 @@ class OpenAIIngress:
         self.readiness = ModelReadiness(
             context.app_name, {base: model_deployment_name(base) for base in self.bases}
         )
+        self.validator = AdapterValidator(self.servers)
         self._background: set[asyncio.Future] = set()
         """Fire-and-forget calls (adapter prefetches), held so they are not collected."""
         logger.info(
@@ -587,12 +589,14 @@ class OpenAIIngress:
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> dict:
         """A prompt's (or chat messages') token ids under the model's tokenizer; an
-        adapter name tokenizes as its base model."""
+        adapter name tokenizes as its base model. Counts against the tenant's
+        `tokenize_requests_per_minute` and holds one of its concurrent slots."""
         tenant = self._tenant(request)
         body = await parse_body(request, TokenizeRequest)
         route = resolve_model(tenant, body.model, self.bases, self.catalog)
         messages = [m.for_template() for m in body.messages] if body.messages else None
-        return await self._ask_model(
+        return await self._ask_model_for(
+            tenant,
             route.base,
             "tokenize",
             body.prompt,
@@ -604,11 +608,30 @@ class OpenAIIngress:
     @app.post("/v1/detokenize")
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> dict:
-        """The text of token ids under the model's tokenizer."""
+        """The text of token ids under the model's tokenizer; limited as tokenize."""
         tenant = self._tenant(request)
         body = await parse_body(request, DetokenizeRequest)
         route = resolve_model(tenant, body.model, self.bases, self.catalog)
-        return await self._ask_model(route.base, "detokenize", body.tokens)
+        return await self._ask_model_for(tenant, route.base, "detokenize", body.tokens)
+
+    async def _ask_model_for(self, tenant: Tenant, base: str, method: str, *args: object) -> dict:
+        """`_ask_model` within the tenant's tokenize rate and concurrency."""
+        try:
+            self.limits.admit_call(tenant, "tokenize", tenant.tokenize_requests_per_minute)
+        except RateLimited as exc:
+            self.metrics.record(tenant.name, 429)
+            raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
+        try:
+            return await self._ask_model(base, method, *args)
+        finally:
+            self.limits.release_call(tenant)
+
+    def _count_admin_call(self, tenant: Tenant) -> None:
+        try:
+            self.limits.count_call(tenant, "adapter admin", tenant.admin_requests_per_minute)
+        except RateLimited as exc:
+            self.metrics.record(tenant.name, 429)
+            raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
 
     async def _ask_model(self, base: str, method: str, *args: object) -> dict:
         """One call of a model deployment's plain (non-streaming) `method`; its
@@ -919,21 +942,28 @@ class OpenAIIngress:
 
     @app.post("/v1/adapters", status_code=201)
     async def register_adapter(self, request: Request) -> AdapterCard:
+        """Validates the folder in this process (adapter_validation.py, off the model's
+        request path), records it in the catalog and warms it on one replica.
+        Counts against the tenant's `admin_requests_per_minute`."""
         tenant = self._tenant(request)
         body = await parse_body(request, RegisterAdapterRequest)
         self._check_base(tenant, body.model)
+        self._count_admin_call(tenant)
         try:
             folder = self.catalog.checked_folder(tenant.name, body.path)
         except CatalogError as exc:
             raise _catalog_error(exc) from None
-        problem = await self.servers[body.model].validate_adapter.remote(
-            str(folder), f"{body.model}:{body.name}", str(self.catalog.tenant_root(tenant.name))
+        await self.validator.check(
+            body.model, folder, f"{body.model}:{body.name}", self.catalog.tenant_root(tenant.name)
         )
-        if problem is not None:
-            raise OpenAIError(problem.status, f"adapter rejected: {problem.message}")
         try:
-            entry = self.catalog.register(
-                tenant.name, body.model, body.name, body.path, tenant.max_adapters
+            entry = await asyncio.to_thread(
+                self.catalog.register,
+                tenant.name,
+                body.model,
+                body.name,
+                body.path,
+                tenant.max_adapters,
             )
         except CatalogError as exc:
             raise _catalog_error(exc) from None
@@ -954,8 +984,9 @@ class OpenAIIngress:
     async def unload_adapter(self, model: str, name: str, request: Request) -> AdapterCard:
         tenant = self._tenant(request)
         self._check_base(tenant, model)
+        self._count_admin_call(tenant)
         try:
-            return _card(self.catalog.unload(tenant.name, model, name))
+            return _card(await asyncio.to_thread(self.catalog.unload, tenant.name, model, name))
         except CatalogError as exc:
             raise _catalog_error(exc) from None
 
@@ -963,8 +994,9 @@ class OpenAIIngress:
     async def delete_adapter(self, model: str, name: str, request: Request) -> dict:
         tenant = self._tenant(request)
         self._check_base(tenant, model)
+        self._count_admin_call(tenant)
         try:
-            self.catalog.delete(tenant.name, model, name)
+            await asyncio.to_thread(self.catalog.delete, tenant.name, model, name)
         except CatalogError as exc:
             raise _catalog_error(exc) from None
         return {"id": f"{model}:{name}", "object": "adapter", "deleted": True}

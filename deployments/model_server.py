@@ -16,6 +16,8 @@ Its jobs:
   engine ended early (its adapter produced NaN: 400; an internal error of that request
   alone: 500), while the rest of the batch runs on; a step failure that restarted the
   engine in place is a 503 with Retry-After for the requests it dropped;
+- tell the ingress what an adapter must fit (`adapter_shape`: the ingress validates
+  registrations itself, off this replica's request path);
 - load tenant adapters under their owner's root without following links, one copy per
   catalog version (an unload forces a fresh read);
 - keep each tenant's prefix-cache entries apart (`GenerateCall.cache_salt`);
@@ -43,7 +45,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -51,6 +52,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from loraplex.adapters.peft_format import LoRAAdapter
+from loraplex.deployments.adapter_validation import AdapterShape
 from loraplex.deployments.admission import AdmissionControl
 from loraplex.deployments.autoscaling import ADAPTERS_IN_DEMAND, HOST_ADAPTER_CAPACITY
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
@@ -353,14 +355,11 @@ class ModelServer:
         logger.info("adapter %s loaded into host memory (%s)", model_id, purpose)
         return True
 
-    async def validate_adapter(self, folder: str, name: str, root: str) -> GenerateError | None:
-        """Loads and validates a tenant's adapter folder (under its `root`, read without
-        following links) against this base model (admin API)."""
-        try:
-            await self.engine.load_adapter(folder, name, Path(root))
-        except ValueError as exc:
-            return GenerateError(400, str(exc))
-        return None
+    def adapter_shape(self) -> AdapterShape:
+        """What an adapter must fit on this base model; the ingress validates
+        registrations against it in its own process (adapter_validation.py)."""
+        lora = self.config.engine_config().lora
+        return AdapterShape(self.engine.engine.arch, lora.max_lora_rank, lora.max_loras > 0)
 
     def arm_failpoint(
         self,

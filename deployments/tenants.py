@@ -81,6 +81,17 @@ class TenantConfig(ApiKeys):
         "(prompt + n x max_tokens) is reserved at admission and settled when it ends",
     )
     max_adapters: int = Field(64, ge=0, description="adapters it may register")
+    tokenize_requests_per_minute: int | None = Field(
+        600,
+        ge=1,
+        description="/v1/tokenize and /v1/detokenize calls per rolling minute (each also "
+        "holds one of its max_concurrent_requests while it runs); null: no limit",
+    )
+    admin_requests_per_minute: int | None = Field(
+        60,
+        ge=1,
+        description="adapter register, unload and delete calls per rolling minute; null: no limit",
+    )
     weight: float = Field(
         1.0,
         gt=0,
@@ -107,6 +118,8 @@ class Tenant:
     tokens_per_minute: int | None = None
     max_adapters: int = 64
     weight: float = 1.0
+    tokenize_requests_per_minute: int | None = None
+    admin_requests_per_minute: int | None = None
 
     def may_use_base(self, base: str) -> bool:
         return "*" in self.models or base in self.models
@@ -138,6 +151,8 @@ class Tenants:
                 tokens_per_minute=config.tokens_per_minute,
                 max_adapters=config.max_adapters,
                 weight=config.weight,
+                tokenize_requests_per_minute=config.tokenize_requests_per_minute,
+                admin_requests_per_minute=config.admin_requests_per_minute,
             )
             for digest in config.key_digests():
                 if digest in self._by_digest:
@@ -166,6 +181,9 @@ class _Usage:
     tokens_in_window: int = 0
     reserved: int = 0
     """Worst-case tokens of the requests in flight, not yet booked in the window."""
+    calls: dict[str, deque[float]] = field(default_factory=dict)
+    """Per call kind (tokenize, admin): when its calls of the last minute came, at most
+    its per-minute limit of them."""
 
 
 class RateLimited(Exception):
@@ -194,6 +212,10 @@ class RateLimiter:
     has counted the prompt; `release` returns the slot and the reservation and books
     the tokens the request used. With several ingress replicas each enforces the limits
     on its own share.
+
+    Calls that generate nothing (tokenize, adapter admin) count against a per-minute
+    rate of their kind instead (`count_call`); tokenize calls also hold a concurrency
+    slot while they run (`admit_call` / `release_call`).
     """
 
     WINDOW_S = 60.0
@@ -250,6 +272,47 @@ class RateLimiter:
             if tokens > 0:
                 usage.tokens.append((time.monotonic(), tokens))
                 usage.tokens_in_window += tokens
+
+    def count_call(self, tenant: Tenant, kind: str, per_minute: int | None) -> None:
+        """Books one call of `kind`; 429 when the tenant made `per_minute` of them in
+        the last minute (None: no limit)."""
+        if per_minute is None:
+            return
+        with self._lock:
+            usage = self._usage.setdefault(tenant.name, _Usage())
+            self._count_call(tenant, usage, kind, per_minute)
+
+    def admit_call(self, tenant: Tenant, kind: str, per_minute: int | None) -> None:
+        """Books one call of `kind` (as `count_call`) that holds one concurrency slot
+        until `release_call`; 429 when the tenant's slots are all taken."""
+        with self._lock:
+            usage = self._usage.setdefault(tenant.name, _Usage())
+            limit = tenant.max_concurrent_requests
+            if limit is not None and usage.in_flight >= limit:
+                raise RateLimited(
+                    f"tenant {tenant.name!r} has {usage.in_flight} sequences in flight "
+                    f"(limit {limit})",
+                    retry_after_s=1,
+                )
+            if per_minute is not None:
+                self._count_call(tenant, usage, kind, per_minute)
+            usage.in_flight += 1
+
+    def release_call(self, tenant: Tenant) -> None:
+        self.release(tenant, 0)
+
+    def _count_call(self, tenant: Tenant, usage: _Usage, kind: str, per_minute: int) -> None:
+        now = time.monotonic()
+        calls = usage.calls.setdefault(kind, deque())
+        while calls and calls[0] <= now - self.WINDOW_S:
+            calls.popleft()
+        if len(calls) >= per_minute:
+            raise RateLimited(
+                f"tenant {tenant.name!r} made {len(calls)} {kind} calls in the last minute "
+                f"(limit {per_minute})",
+                retry_after_s=max(1, int(calls[0] + self.WINDOW_S - now) + 1),
+            )
+        calls.append(now)
 
     def in_use(self, tenant: Tenant) -> tuple[int, int]:
         """(requests in flight, tokens reserved) of a tenant."""

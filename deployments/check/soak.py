@@ -179,10 +179,17 @@ class Soak:
             await self._admin(session, "delete", "DELETE", f"/v1/adapters/{plan.churn_base}/{last}")
 
     async def _admin(self, session, verb: str, method: str, path: str, body=None) -> None:
-        async with session.request(method, self.url + path, json=body) as response:
-            payload = await response.read()
-            self.report.churn[f"{verb} {response.status}"] += 1
-            self._judge(response.status, response.headers, payload, f"churn {verb} {path}")
+        """One admin call; a 429 (the tenant's admin rate) is retried after its
+        Retry-After, as a client should."""
+        while True:
+            async with session.request(method, self.url + path, json=body) as response:
+                payload = await response.read()
+                self.report.churn[f"{verb} {response.status}"] += 1
+                self._judge(response.status, response.headers, payload, f"churn {verb} {path}")
+                if response.status != 429:
+                    return
+                wait_s = float(response.headers.get("Retry-After", "1"))
+            await asyncio.sleep(wait_s)
 
 
 async def _run(url: str, api_key: str, plan: SoakPlan, report: SoakReport, progress) -> None:

@@ -137,6 +137,10 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
                 "name": "acme",
                 "api_key_sha256": [hash_key(KEYS["acme"])],
                 "shared_adapters": ["*:*"],
+                # The fuzz and soak suites call tokenize and the admin API as acme,
+                # far above the default rates (the day-one suite tests those).
+                "tokenize_requests_per_minute": None,
+                "admin_requests_per_minute": None,
             },
             {
                 "name": "globex",

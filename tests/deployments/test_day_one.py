@@ -12,6 +12,8 @@ a first token 2 s (so a cold start longer than that shows) and a silent stream 3
 - budgets: a batch is charged the sum of its prompts' worst cases and counts prompts x
   n toward concurrency;
 - early disconnects release the tenant's slots;
+- tokenize, detokenize and the adapter admin calls count against rates of their own,
+  and registration validates without a model replica;
 - the tokenizer of a folder whose saved class differs from its model type encodes.
 """
 
@@ -34,17 +36,24 @@ from loraplex.deployments.tenants import hash_key
 APP, PREFIX = "dayone", "/dayone"
 KEY = "sk-dayone-test"
 BUDGET_KEY = "sk-dayone-budget-test"
+ADMIN_KEY = "sk-dayone-admin-test"
+CALL_RATES = {"tokenize_requests_per_minute": 3, "admin_requests_per_minute": 3}
 LIMITS = {"max_concurrent_requests": 4, "tokens_per_minute": 2000}
 
 
 @pytest.fixture(scope="module")
-def dayone(serve_setup, tiny_model_factory):
+def base_folder(tiny_model_factory):
+    return tiny_model_factory("llama", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def dayone(serve_setup, base_folder):
     """The day-one app's base URL; removed after the module."""
     from ray import serve
 
     from loraplex.deployments.app import build_app
 
-    base = str(tiny_model_factory("llama", max_position_embeddings=2048))
+    base = str(base_folder)
     engine = {
         "dtype": "float32",
         "max_model_len": 2048,
@@ -68,7 +77,7 @@ def dayone(serve_setup, tiny_model_factory):
             {
                 "name": "impatient",
                 "model": base,
-                "engine": engine,
+                "engine": {**engine, "max_loras": 1},
                 "server": server,
                 "cold_start_wait_s": 0.5,
             },
@@ -76,6 +85,7 @@ def dayone(serve_setup, tiny_model_factory):
         "tenants": [
             {"name": "dayone", "api_key_sha256": [hash_key(KEY)], **LIMITS},
             {"name": "budget", "api_key_sha256": [hash_key(BUDGET_KEY)], **LIMITS},
+            {"name": "admin", "api_key_sha256": [hash_key(ADMIN_KEY)], **LIMITS, **CALL_RATES},
         ],
     }
     serve.run(build_app(config), name=APP, route_prefix=PREFIX)
@@ -290,6 +300,83 @@ def test_streams_dropped_right_after_sending_release_the_tenants_slots(dayone):
         return results == [200] * len(threads)
 
     wait_for(all_four_pass, 30, "the tenant runs 4 at once again", period_s=1.0)
+
+
+def call(url: str, method: str, path: str, body: dict | None, key: str = ADMIN_KEY):
+    """(status, JSON body) of one call with `key`."""
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(body).encode() if body is not None else None,
+        method=method,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_tokenize_detokenize_and_adapter_admin_calls_have_rates_of_their_own(
+    dayone, serve_setup, base_folder, peft_adapter_factory
+):
+    """Item 6: the `admin` tenant may make 3 tokenize or detokenize calls and 3 adapter
+    admin calls a minute: the 4th of each kind is a 429 in OpenAI error JSON with a
+    Retry-After, and neither kind spends the other's rate or its completions."""
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    tokenize = {"model": "tiny", "prompt": "w1 w2"}
+    statuses = [call(dayone, "POST", "/v1/tokenize", tokenize)[0] for _ in range(2)]
+    statuses.append(call(dayone, "POST", "/v1/detokenize", {"model": "tiny", "tokens": [1]})[0])
+    assert statuses == [200, 200, 200]
+    status, body = call(dayone, "POST", "/tokenize", tokenize)
+    assert status == 429 and "tokenize calls" in body["error"]["message"], body
+    assert body["error"]["type"] == "rate_limit_error"
+
+    peft_adapter_factory(base_folder, serve_setup.adapter_root / "admin" / "a1")
+    register = {"model": "impatient", "name": "a1", "path": "a1"}
+    assert call(dayone, "POST", "/v1/adapters", register)[0] == 201
+    assert call(dayone, "POST", "/v1/adapters/impatient/a1/unload", None)[0] == 200
+    assert call(dayone, "DELETE", "/v1/adapters/impatient/a1", None)[0] == 200
+    status, body = call(dayone, "POST", "/v1/adapters", register)
+    assert status == 429 and "adapter admin calls" in body["error"]["message"], body
+    answer = client(dayone, key=ADMIN_KEY).completions.create(
+        model="tiny", prompt="w1", max_tokens=2, temperature=0
+    )
+    assert answer.usage.completion_tokens == 2
+
+
+def test_registration_validates_without_a_model_replica(
+    dayone, serve_setup, base_folder, peft_adapter_factory
+):
+    """Item 6: registration's validation load runs in the ingress, off the model's
+    request path: with the model's only replica killed, an adapter registers (and a
+    bad one is refused with the reason) while the replacement is still starting."""
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    root = serve_setup.adapter_root / "dayone"
+    peft_adapter_factory(base_folder, root / "ok")
+    peft_adapter_factory(base_folder, root / "too-big", rank=128)
+    kill_replica("impatient")
+    wait_for(lambda: "impatient" in health(dayone)[1].get("waiting_for", []), 5, "not ready")
+    started = time.monotonic()
+    status, body = call(
+        dayone, "POST", "/v1/adapters", {"model": "impatient", "name": "ok", "path": "ok"}, KEY
+    )
+    assert status == 201, body
+    status, body = call(
+        dayone,
+        "POST",
+        "/v1/adapters",
+        {"model": "impatient", "name": "big", "path": "too-big"},
+        KEY,
+    )
+    assert status == 400 and "rank" in body["error"]["message"], body
+    assert time.monotonic() - started < 3
+    assert "impatient" in health(dayone)[1].get("waiting_for", []), "replacement already warm"
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the replacement is warm")
+    answer = client(dayone).completions.create(
+        model="impatient:ok", prompt="w1", max_tokens=2, temperature=0
+    )
+    assert answer.usage.completion_tokens == 2
 
 
 def test_a_folder_whose_tokenizer_class_differs_from_its_model_encodes_text(serve_url, post):

@@ -116,3 +116,40 @@ def test_token_budget_reserves_the_worst_case_up_front():
     # refuses it with a 400 once it knows the exact size).
     limiter.WINDOW_S = 0.0
     assert limiter.admit(tenant, tokens=10**9) == 100
+
+
+def test_call_rates_are_per_kind_and_tokenize_holds_a_slot(monkeypatch):
+    """Tokenize and admin calls count against per-minute rates of their own kinds; a
+    tokenize call holds one of the tenant's concurrent slots while it runs; the window
+    slides (the oldest call leaving frees a place)."""
+    import loraplex.deployments.tenants as tenants_module
+
+    now = [1000.0]
+    monkeypatch.setattr(tenants_module.time, "monotonic", lambda: now[0])
+    config = TenantConfig(
+        name="t",
+        api_key_sha256=[hash_key("k")],
+        max_concurrent_requests=2,
+        tokenize_requests_per_minute=2,
+        admin_requests_per_minute=1,
+    )
+    tenant = Tenants([config]).authenticate("Bearer k")
+    limits = RateLimiter()
+    limits.count_call(tenant, "admin", tenant.admin_requests_per_minute)
+    with pytest.raises(RateLimited, match="1 admin calls") as refused:
+        limits.count_call(tenant, "admin", tenant.admin_requests_per_minute)
+    assert refused.value.retry_after_s == 61
+    limits.admit_call(tenant, "tokenize", tenant.tokenize_requests_per_minute)
+    limits.admit_call(tenant, "tokenize", tenant.tokenize_requests_per_minute)
+    assert limits.in_use(tenant) == (2, 0)
+    with pytest.raises(RateLimited, match="in flight"):
+        limits.admit(tenant, 0)
+    limits.release_call(tenant)
+    limits.release_call(tenant)
+    with pytest.raises(RateLimited, match="2 tokenize calls"):
+        limits.admit_call(tenant, "tokenize", tenant.tokenize_requests_per_minute)
+    assert limits.in_use(tenant) == (0, 0)
+    now[0] += 60.5
+    limits.admit_call(tenant, "tokenize", tenant.tokenize_requests_per_minute)
+    limits.count_call(tenant, "admin", tenant.admin_requests_per_minute)
+    limits.count_call(tenant, "admin", None)

@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -88,6 +88,8 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 256
 OVERLOAD_RETRY_AFTER_S = 2
+ADMIN_CALL_S = 30.0
+"""How long an operator call (failpoints, residency) waits for the replicas' answers."""
 FIRST_STEP_POLL_S = 1.0
 """How often a request waiting for its first step re-reads its model's readiness."""
 Body = TypeVar("Body", bound=BaseModel)
@@ -127,6 +129,14 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     response = error_response(OpenAIError(exc.status_code, str(exc.detail)))
     response.headers.update(exc.headers or {})
     return response
+
+
+@app.exception_handler(Exception)
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """Anything no handler expected: logged with its traceback, answered as an OpenAI
+    500 (never Starlette's plain-text one)."""
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(OpenAIError(500, "internal error; the server logged it"))
 
 
 @app.exception_handler(RequestValidationError)
@@ -188,10 +198,34 @@ def first_lone_surrogate(data: object) -> str | None:
     return None
 
 
+async def _awaited(response: DeploymentResponse) -> Any:
+    """A Serve call's result, as a coroutine (for gather and wait_for)."""
+    return await response
+
+
 def _catalog_error(exc: CatalogError) -> OpenAIError:
     retry = exc.status in (503, 507)
     return OpenAIError(
         exc.status, str(exc), retry_after_s=OVERLOAD_RETRY_AFTER_S if retry else None
+    )
+
+
+def serve_refusal(base: str, exc: Exception) -> OpenAIError:
+    """A 503 for a call Serve refused: the model's queue is full (back-pressure) or its
+    deployment has no replica it could ever start (it failed to deploy)."""
+    if isinstance(exc, DeploymentUnavailableError):
+        logger.error("model %s is unavailable: %s", base, exc)
+        return OpenAIError(
+            503,
+            f"model {base!r} is unavailable: its deployment failed; retry later",
+            code="model_unavailable",
+            retry_after_s=OVERLOAD_RETRY_AFTER_S,
+        )
+    return OpenAIError(
+        503,
+        f"model {base!r} is overloaded, retry later",
+        code="overloaded",
+        retry_after_s=OVERLOAD_RETRY_AFTER_S,
     )
 
 
@@ -497,7 +531,16 @@ class OpenAIIngress:
         """This node's platform metrics (from Ray's metrics agent), Prometheus text."""
         hidden = self._hidden_metric_labels(request.headers.get("authorization"))
         # GCS and metrics-agent calls block: off the event loop that serves requests.
-        text = await asyncio.to_thread(_node_metrics_text)
+        try:
+            text = await asyncio.to_thread(_node_metrics_text)
+        except Exception as exc:
+            logger.warning("reading this node's metrics agent failed: %r", exc)
+            raise OpenAIError(
+                503,
+                "this node's metrics agent did not answer; retry later",
+                code="metrics_unavailable",
+                retry_after_s=OVERLOAD_RETRY_AFTER_S,
+            ) from None
         return PlainTextResponse(
             render_prometheus(text, hidden), media_type="text/plain; version=0.0.4"
         )
@@ -525,20 +568,72 @@ class OpenAIIngress:
     # ---- operator API: chaos drills --------------------------------------------------------
     @app.post("/v1/admin/failpoints")
     async def arm_failpoint(self, request: Request) -> dict:
-        """Arms a failpoint in one replica of a model whose config sets
-        `fault_injection: true` (403 otherwise); operator key only (none configured: 401)."""
+        """Arms a failpoint in every running replica of a model whose config sets
+        `fault_injection: true` (403 otherwise); operator key only (none configured:
+        401). Answers with the replicas armed."""
         self._require_operator(request.headers.get("authorization"), "/v1/admin/failpoints")
         body = await parse_body(request, ArmFailpointRequest)
         if body.model not in self.servers:
             raise OpenAIError(404, f"model {body.model!r} does not exist", code="model_not_found")
+        armed = await self._on_every_replica(
+            body.model, "arm_failpoint", body.name, body.prompt, body.times, body.delay_s
+        )
+        logger.warning("operator armed failpoint %s on %s: %s", body.name, body.model, armed)
+        return {
+            "object": "failpoint",
+            "model": body.model,
+            "name": body.name,
+            "armed": True,
+            "replicas": armed,
+        }
+
+    @app.delete("/v1/admin/failpoints/{model}")
+    async def disarm_failpoints(self, model: str, request: Request) -> dict:
+        """Disarms every failpoint in every running replica of `model`; operator key
+        only."""
+        self._require_operator(request.headers.get("authorization"), "/v1/admin/failpoints")
+        if model not in self.servers:
+            raise OpenAIError(404, f"model {model!r} does not exist", code="model_not_found")
+        disarmed = await self._on_every_replica(model, "disarm_failpoints")
+        return {"object": "failpoint", "model": model, "armed": False, "replicas": disarmed}
+
+    async def _on_every_replica(self, model: str, method: str, *args: object) -> list[str]:
+        """Calls `method` on each RUNNING replica of `model` (the router pins each call
+        by its `replica` keyword, deployments/request_router.py); the ids it reached.
+        403 when the model refuses fault injection; 503 when it has no running replica
+        or one did not answer within ADMIN_CALL_S."""
+        replicas = (await self.readiness.state(model)).running_replicas
+        if not replicas:
+            raise OpenAIError(
+                503,
+                f"model {model!r} has no running replica",
+                code="model_loading",
+                retry_after_s=self.readiness.retry_after_s(model),
+            )
+        handle = getattr(self.servers[model], method)
+        calls = [handle.remote(*args, replica=replica) for replica in replicas]
         try:
-            await self.servers[body.model].arm_failpoint.remote(
-                body.name, body.prompt, body.times, body.delay_s
+            reached = await asyncio.wait_for(
+                asyncio.gather(*(_awaited(call) for call in calls)), ADMIN_CALL_S
             )
         except PermissionError:
-            raise OpenAIError(403, f"fault injection is off for model {body.model!r}") from None
-        logger.warning("operator armed failpoint %s on %s", body.name, body.model)
-        return {"object": "failpoint", "model": body.model, "name": body.name, "armed": True}
+            raise OpenAIError(403, f"fault injection is off for model {model!r}") from None
+        except (RayError, BackPressureError, DeploymentUnavailableError, TimeoutError) as exc:
+            logger.warning("%s on %s failed: %r", method, model, exc)
+            raise OpenAIError(
+                503,
+                f"not every replica of model {model!r} answered; retry later",
+                retry_after_s=OVERLOAD_RETRY_AFTER_S,
+            ) from None
+        missed = [r for r, got in zip(replicas, reached, strict=True) if got is None]
+        if missed:
+            raise OpenAIError(
+                503,
+                f"replicas {missed} of model {model!r} were not reached (replaced meanwhile?); "
+                "retry",
+                retry_after_s=1,
+            )
+        return [str(r) for r in reached]
 
     @app.get("/v1/admin/residency")
     async def residency(self, request: Request, model: str | None = None) -> dict:
@@ -551,7 +646,18 @@ class OpenAIIngress:
             raise OpenAIError(404, f"model {model!r} does not exist", code="model_not_found")
         if self.registry is None:
             raise OpenAIError(503, "this app has no residency registry")
-        replicas = await self.registry.view.remote(model)
+        try:
+            replicas = await asyncio.wait_for(
+                _awaited(self.registry.view.remote(model)), ADMIN_CALL_S
+            )
+        except (RayError, BackPressureError, DeploymentUnavailableError, TimeoutError) as exc:
+            logger.warning("residency view failed: %r", exc)
+            raise OpenAIError(
+                503,
+                "the residency registry did not answer; retry later",
+                code="registry_unavailable",
+                retry_after_s=OVERLOAD_RETRY_AFTER_S,
+            ) from None
         return {
             "object": "residency",
             "data": [
@@ -564,15 +670,6 @@ class OpenAIIngress:
                 if model is None or base == model
             ],
         }
-
-    @app.delete("/v1/admin/failpoints/{model}")
-    async def disarm_failpoints(self, model: str, request: Request) -> dict:
-        """Disarms every failpoint in one replica of `model`; operator key only."""
-        self._require_operator(request.headers.get("authorization"), "/v1/admin/failpoints")
-        if model not in self.servers:
-            raise OpenAIError(404, f"model {model!r} does not exist", code="model_not_found")
-        await self.servers[model].disarm_failpoints.remote()
-        return {"object": "failpoint", "model": model, "armed": False}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> ModelList:
@@ -639,12 +736,8 @@ class OpenAIIngress:
         request_id = new_id(method)
         try:
             result = await getattr(self.servers[base], method).remote(*args)
-        except BackPressureError:
-            raise OpenAIError(
-                503,
-                f"model {base!r} is overloaded, retry later",
-                retry_after_s=OVERLOAD_RETRY_AFTER_S,
-            ) from None
+        except (BackPressureError, DeploymentUnavailableError) as exc:
+            raise serve_refusal(base, exc) from None
         except RayError as exc:
             raise replica_failed(base, request_id, exc) from None
         if isinstance(result, GenerateError):
@@ -809,12 +902,8 @@ class OpenAIIngress:
         steps = handle.generate.remote(call)
         try:
             first = await self._first_step(route.base, call.request_id, steps)
-        except BackPressureError:
-            raise OpenAIError(
-                503,
-                f"model {route.base!r} is overloaded, retry later",
-                retry_after_s=OVERLOAD_RETRY_AFTER_S,
-            ) from None
+        except (BackPressureError, DeploymentUnavailableError) as exc:
+            raise serve_refusal(route.base, exc) from None
         except RayError as exc:
             raise replica_failed(route.base, call.request_id, exc) from None
         if isinstance(first, GenerateError):

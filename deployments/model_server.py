@@ -267,6 +267,7 @@ class ModelServer:
         self.token_texts = TokenTexts(self.engine.detokenize)
         self.catalog = AdapterCatalog(adapter_root, {config.name: dict(config.adapters)})
         replica = serve.get_replica_context().replica_id.unique_id if _in_serve() else "local"
+        self.replica_id = replica
         self.metrics = EngineMetrics(config.name, replica)
         self.memory = ProcessMemory(model_deployment_name(config.name), replica)
         self.admission = AdmissionControl(
@@ -367,15 +368,26 @@ class ModelServer:
         prompt: list[int] | None = None,
         times: int | None = None,
         delay_s: float = 0.0,
-    ) -> None:
+        replica: str | None = None,
+    ) -> str | None:
         """Arms a failpoint in this replica's engine (platform/failpoints.py); refused
-        unless the deployment's config sets `fault_injection: true`."""
+        unless the deployment's config sets `fault_injection: true`. `replica`: the
+        unique id of the replica meant (the router pins the call there); returns this
+        replica's id when armed, None when it is not the one meant."""
         if not self.config.fault_injection:
             raise PermissionError("fault injection is off for this deployment")
+        if replica is not None and replica != self.replica_id:
+            return None
         FAILPOINTS.arm(name, prompt, times, delay_s)
+        logger.warning("failpoint %s armed on replica %s", name, self.replica_id)
+        return self.replica_id
 
-    def disarm_failpoints(self) -> None:
+    def disarm_failpoints(self, replica: str | None = None) -> str | None:
+        """Disarms every failpoint of this replica (`replica` as in `arm_failpoint`)."""
+        if replica is not None and replica != self.replica_id:
+            return None
         FAILPOINTS.disarm()
+        return self.replica_id
 
     def _report_stats(self) -> None:
         while not self._stop.wait(STATS_PERIOD_S):

@@ -43,6 +43,8 @@ class ModelState:
     starting_since: float | None = None
     """Wall time the oldest starting replica's actor started (None: none starting)."""
     status: str = ""
+    running_replicas: tuple[str, ...] = ()
+    """Unique ids of the RUNNING replicas."""
 
     @property
     def ready(self) -> bool:
@@ -71,8 +73,10 @@ def model_states(details: dict, app: str, deployments: dict[str, str]) -> dict[s
             continue
         replicas = entry.get("replicas", [])
         starting = [r for r in replicas if r.get("state") in STARTING_STATES]
+        running = tuple(str(r.get("replica_id")) for r in replicas if r.get("state") == RUNNING)
         states[model] = ModelState(
-            running=sum(1 for r in replicas if r.get("state") == RUNNING),
+            running=len(running),
+            running_replicas=running,
             starting=len(starting),
             target=int(entry.get("target_num_replicas", 1)),
             starting_since=min((r.get("start_time_s", 0.0) for r in starting), default=None),

@@ -25,6 +25,11 @@ messages), namespaced by adapter and by the tenant's prefix-cache salt, as the e
 prefix cache is; the router learns them from where Serve actually sent each request
 (`on_request_routed`) and keeps the newest `MAX_PREFIX_ENTRIES`.
 
+An operator call pinned to one replica (`PINNED_METHODS`, keyword `replica`: its
+unique id; the ingress sends failpoint arms and disarms to every running replica this
+way) goes to that replica alone while it is a candidate, and anywhere otherwise (the
+replica then answers that it was not the one meant).
+
 A hot-adapter replication call (`ModelServer.replicate_adapter`, sent by the residency
 registry's replicator, deployments/replication.py) goes the other way: to a replica that
 does not hold the adapter, its home first.
@@ -82,6 +87,8 @@ MAX_PLACEMENTS = 65536
 REPLICATE_METHOD = "replicate_adapter"
 """ModelServer's hot-adapter replication call (deployments/replication.py): it goes to a
 replica that does not hold the adapter yet."""
+PINNED_METHODS = frozenset({"arm_failpoint", "disarm_failpoints"})
+"""ModelServer calls that name the replica they are meant for (keyword `replica`)."""
 LOADING_METHODS = frozenset({"generate", "prefetch_adapter", REPLICATE_METHOD})
 """ModelServer calls that load their multiplexed model id's adapter where they run (the
 others, such as `replica_info`, leave no placement behind)."""
@@ -277,6 +284,10 @@ class ResidencyRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        pinned = _pinned_replica(pending_request)
+        if pinned is not None:
+            chosen = [r for r in candidate_replicas if _unique(r.replica_id) == pinned]
+            return [chosen or candidate_replicas]
         model_id = ""
         if pending_request is not None:
             model_id = pending_request.metadata.multiplexed_model_id or ""
@@ -312,7 +323,7 @@ class ResidencyRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         model_id = pending_request.metadata.multiplexed_model_id or ""
         if model_id and pending_request.metadata.call_method in LOADING_METHODS:
             self.placements.record(model_id, replica_id, time.monotonic())
-        if pending_request.metadata.call_method == REPLICATE_METHOD:
+        if pending_request.metadata.call_method in PINNED_METHODS | {REPLICATE_METHOD}:
             return
         hashes = _request_prefix(pending_request) if self._affinity else []
         if hashes:
@@ -329,6 +340,14 @@ class ResidencyRouter(FIFOMixin, MultiplexMixin, RequestRouter):
             tier = HOST
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         return ReplicaView(replica.replica_id, tier, queue_len)
+
+
+def _pinned_replica(pending_request: PendingRequest | None) -> str | None:
+    """The unique id of the replica a pinned call names (None: not a pinned call)."""
+    if pending_request is None or pending_request.metadata.call_method not in PINNED_METHODS:
+        return None
+    replica = (pending_request.kwargs or {}).get("replica")
+    return str(replica) if replica is not None else None
 
 
 def _request_prefix(pending_request: PendingRequest | None) -> list[int]:

@@ -75,6 +75,13 @@ def dayone(serve_setup, base_folder):
                 "max_engine_restarts": 2,
             },
             {
+                "name": "pair",
+                "model": base,
+                "engine": engine,
+                "server": {**server, "num_replicas": 2},
+                "fault_injection": True,
+            },
+            {
                 "name": "impatient",
                 "model": base,
                 "engine": {**engine, "max_loras": 1},
@@ -377,6 +384,26 @@ def test_registration_validates_without_a_model_replica(
         model="impatient:ok", prompt="w1", max_tokens=2, temperature=0
     )
     assert answer.usage.completion_tokens == 2
+
+
+def test_failpoint_calls_reach_the_replica_they_name(dayone):
+    """Item 11: the ingress arms and disarms a failpoint on every running replica, one
+    call pinned to each (the router sends a call naming a replica there): over `pair`'s
+    two replicas each pinned call lands on its replica, ten times out of ten."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    details = _get_global_client().get_serve_details()
+    replicas = details["applications"][APP]["deployments"]["model-pair"]["replicas"]
+    ids = [r["replica_id"] for r in replicas if r["state"] == "RUNNING"]
+    assert len(ids) == 2, replicas
+    handle = serve.get_deployment_handle("model-pair", app_name=APP)
+    for _ in range(5):
+        for replica in ids:
+            armed = handle.arm_failpoint.remote("engine.delay", None, 1, 0.0, replica=replica)
+            assert armed.result(timeout_s=30) == replica
+            assert handle.disarm_failpoints.remote(replica=replica).result(timeout_s=30) == replica
 
 
 def test_a_folder_whose_tokenizer_class_differs_from_its_model_encodes_text(serve_url, post):

@@ -33,9 +33,20 @@ class ServerOptions(StrictConfig):
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling_config; replaces num_replicas when set"
     )
-    max_ongoing_requests: int = Field(64, ge=1, description="requests a replica runs at once")
+    max_ongoing_requests: int = Field(
+        256,
+        ge=1,
+        description="requests a replica holds at once: its batch (engine.max_num_seqs) and "
+        "its engine's waiting queue. Keep it well above max_num_seqs: a request waiting in "
+        "the engine is refused at once when the replica estimates it could not start in "
+        "time (admission_max_wait_s), while one waiting in Serve's queue in front of the "
+        "replica waits blind and is refused only once it reaches the replica",
+    )
     max_queued_requests: int = Field(
-        256, ge=-1, description="queue past which callers get 503 (-1: unbounded)"
+        64,
+        ge=-1,
+        description="Serve's queue in front of the replicas, past which callers get 503 "
+        "at once (-1: unbounded); a safety bound, small because it waits blind",
     )
     health_check_period_s: float = Field(
         2.0,

@@ -44,6 +44,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.deployments.adapter_validation import AdapterValidator
+from loraplex.deployments.admission import RecentRefusals
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import PlatformConfig, model_deployment_name
 from loraplex.deployments.errors import OpenAIError, error_response
@@ -54,7 +55,7 @@ from loraplex.deployments.metrics import (
     ProcessMemory,
     render_prometheus,
 )
-from loraplex.deployments.model_server import GenerateCall, GenerateError, StreamStep
+from loraplex.deployments.model_server import OVERLOADED, GenerateCall, GenerateError, StreamStep
 from loraplex.deployments.openapi import openapi_document
 from loraplex.deployments.protocol import (
     AdapterCard,
@@ -374,7 +375,11 @@ async def _settle_prefetch(response: DeploymentResponse, model_id: str) -> None:
 
 def _generate_error(error: GenerateError) -> OpenAIError:
     return OpenAIError(
-        error.status, error.message, param=error.param, retry_after_s=error.retry_after_s
+        error.status,
+        error.message,
+        param=error.param,
+        code=error.code,
+        retry_after_s=error.retry_after_s,
     )
 
 
@@ -474,6 +479,7 @@ class OpenAIIngress:
         self.tenants = Tenants(config.tenants)
         self.catalog = AdapterCatalog(config.adapter_root, config.shared_adapters())
         self.limits = RateLimiter()
+        self.refusals = RecentRefusals()
         self.operator_digests = frozenset(config.operator.key_digests())
         self.log_prompts = config.log_prompts
         self.first_token_timeout_s = config.ingress.first_token_timeout_s
@@ -818,6 +824,11 @@ class OpenAIIngress:
         n = body.n
         sequences = len(calls) * n
         _check_fits_tenant(tenant, calls, n)
+        held = self.refusals.held(route.base, tenant.name)
+        if held is not None:
+            self.metrics.record(tenant.name, 503)
+            message, retry_after_s = held
+            raise OpenAIError(503, message, code=OVERLOADED, retry_after_s=retry_after_s)
         estimate = sum(prompt_tokens_estimate(c) + n * c.params.max_tokens for c in calls)
         try:
             reserved = self.limits.admit(tenant, estimate, sequences)
@@ -907,6 +918,10 @@ class OpenAIIngress:
         except RayError as exc:
             raise replica_failed(route.base, call.request_id, exc) from None
         if isinstance(first, GenerateError):
+            if first.code == OVERLOADED:
+                self.refusals.record(
+                    route.base, call.tenant, first.message, first.retry_after_s or 1
+                )
             raise _generate_error(first)
         return steps, first
 

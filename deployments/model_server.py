@@ -74,6 +74,7 @@ from loraplex.platform.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 STATS_PERIOD_S = 2.0
+OVERLOADED = "overloaded"
 RETRY_ELSEWHERE_S = 2
 """Retry-After of a request that a dead, stalled or stopping replica ended."""
 
@@ -149,6 +150,8 @@ class GenerateError:
     message: str
     param: str | None = None
     retry_after_s: int | None = None
+    code: str | None = None
+    """`overloaded`: refused for load (admission), which the ingress repeats briefly."""
 
 
 class AdapterRequests:
@@ -493,7 +496,9 @@ class ModelServer:
         if refusal is not None:
             logger.info("request %s refused: %s", call.request_id, refusal.message)
             self.metrics.refused.inc(1, self.metrics.tags)
-            yield GenerateError(503, refusal.message, retry_after_s=refusal.retry_after_s)
+            yield GenerateError(
+                503, refusal.message, retry_after_s=refusal.retry_after_s, code=OVERLOADED
+            )
             return
         first_token_s = None
         tracker = DeltaTracker(call.params.n, self.token_texts)

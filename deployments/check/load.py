@@ -6,7 +6,14 @@ phase then sends at `multiple x capacity` for its duration, whatever the app ans
 (open loop: a slow app does not slow the arrivals). Under overload the only allowed
 answers are 200, 429 and 503, each 429/503 with `Retry-After`; a request still without
 an answer at its deadline has hung, and a stream ending without `[DONE]` or an error
-event is torn. `/health` latency percentiles show whether the ingress stays responsive.
+event is torn, and a 429/503 whose body is not OpenAI error JSON (the HTTP proxy's own
+plain-text refusal) is unexpected. `/health` latency percentiles show whether the
+ingress stays responsive.
+
+Goodput is what the app got done: complete answers (a 200 whose body or stream ended
+in full, not in an error event) per second of the level, shown beside its ratio to the
+first level's, with the median time a refusal took to come back (cheap refusals leave
+the engine its CPU).
 """
 
 from __future__ import annotations
@@ -67,25 +74,43 @@ class Phase:
     torn: int = 0
     unexpected: list[str] = field(default_factory=list)
     health_ms: list[float] = field(default_factory=list)
+    completed: int = 0
+    """Complete answers (200 with the whole body, or a stream to `[DONE]`)."""
+    refusal_ms: list[float] = field(default_factory=list)
+    """How long each 429/503 took to come back."""
+    phase_s: float = 0.0
+    client_cpu_s: float = 0.0
+    """CPU seconds this load generator used in the level (it shares the machine)."""
     memory_mib: dict[str, float] = field(default_factory=dict)
     """Resident memory per component (summed over its replicas) at the level's end."""
 
     def health_p(self, q: float) -> float:
-        if not self.health_ms:
-            return float("nan")
-        ordered = sorted(self.health_ms)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return _percentile(self.health_ms, q)
 
-    def row(self) -> str:
+    @property
+    def goodput_rps(self) -> float:
+        return self.completed / self.phase_s if self.phase_s > 0 else 0.0
+
+    def row(self, first_goodput_rps: float) -> str:
         statuses = ", ".join(
             f"{s}: {n}" for s, n in sorted(self.statuses.items(), key=lambda item: str(item[0]))
         )
+        ratio = self.goodput_rps / first_goodput_rps if first_goodput_rps > 0 else float("nan")
         return (
             f"| {self.multiple:g}x | {self.rate:.1f} | {self.sent} | {statuses} | "
+            f"{self.goodput_rps:.2f} ({ratio:.2f}x) | {_percentile(self.refusal_ms, 0.5):.0f} | "
+            f"{self.client_cpu_s / self.phase_s if self.phase_s else 0.0:.2f} | "
             f"{self.without_retry_after} | {self.hung} | {self.torn} | "
             f"{self.health_p(0.5):.0f} / {self.health_p(0.99):.0f} | "
             f"{format_memory(self.memory_mib)} |"
         )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def format_memory(memory_mib: dict[str, float]) -> str:
@@ -107,11 +132,13 @@ class LoadReport:
 
     def table(self) -> str:
         head = (
-            "| load | req/s | sent | statuses | 429/503 without Retry-After | hung | torn | "
+            "| load | req/s | sent | statuses | goodput req/s (of the first level's) | "
+            "refusal p50 ms | client CPUs | 429/503 without Retry-After | hung | torn | "
             "/health p50 / p99 ms | resident MiB at the end |\n"
-            "|---|---:|---:|---|---:|---:|---:|---|---|"
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"
         )
-        rows = "\n".join(p.row() for p in self.phases)
+        first = self.phases[0].goodput_rps if self.phases else 0.0
+        rows = "\n".join(p.row(first) for p in self.phases)
         return (
             f"capacity {self.capacity_rps:.2f} req/s\n{head}\n{rows}\n"
             f"resident MiB before the first level: {format_memory(self.memory_before_mib)}; "
@@ -124,33 +151,30 @@ async def _send(session: aiohttp.ClientSession, url: str, body_of, phase: Phase 
     it got a complete 200."""
     path, body = body_of()
     what = f"{path} {json.dumps(body)[:300]}"
+    started = time.monotonic()
     try:
         async with session.post(url + path, json=body) as response:
             status = response.status
+            if status != 200:
+                payload = await response.read()
+                if phase is not None:
+                    _judge_refusal(phase, status, response.headers, payload, what, started)
+                return False
             if phase is not None:
                 phase.statuses[status] += 1
-                if status in (429, 503) and "Retry-After" not in response.headers:
-                    phase.without_retry_after += 1
-                    phase.unexpected.append(f"{status} without Retry-After <- {what}")
-                elif status not in ALLOWED:
-                    text = (await response.read())[:200]
-                    phase.unexpected.append(f"status {status} {text!r} <- {what}")
-            if status != 200:
-                await response.read()
-                return False
             if not body["stream"]:
                 await response.read()
-                return True
+                return _complete(phase)
             last = b""
             async for line in response.content:
                 if line.strip():
                     last = line.strip()
-            if last != b"data: [DONE]" and b'"error"' not in last:
-                if phase is not None:
-                    phase.torn += 1
-                    phase.unexpected.append(f"torn stream (last {last[:80]!r}) <- {what}")
-                return False
-            return True
+            if last == b"data: [DONE]":
+                return _complete(phase)
+            if b'"error"' not in last and phase is not None:
+                phase.torn += 1
+                phase.unexpected.append(f"torn stream (last {last[:80]!r}) <- {what}")
+            return False
     except asyncio.TimeoutError:
         if phase is not None:
             phase.hung += 1
@@ -161,6 +185,37 @@ async def _send(session: aiohttp.ClientSession, url: str, body_of, phase: Phase 
             phase.statuses["no answer"] += 1
             phase.unexpected.append(f"no answer ({exc!r}) <- {what}")
         return False
+
+
+def _complete(phase: Phase | None) -> bool:
+    if phase is not None:
+        phase.completed += 1
+    return True
+
+
+def _judge_refusal(
+    phase: Phase, status: int, headers, payload: bytes, what: str, started: float
+) -> None:
+    """Books a non-200 answer: only 429 and 503 may come back, with Retry-After and an
+    OpenAI error body."""
+    phase.statuses[status] += 1
+    if status not in ALLOWED:
+        phase.unexpected.append(f"status {status} {payload[:200]!r} <- {what}")
+        return
+    phase.refusal_ms.append((time.monotonic() - started) * 1e3)
+    if "Retry-After" not in headers:
+        phase.without_retry_after += 1
+        phase.unexpected.append(f"{status} without Retry-After <- {what}")
+    if not _is_openai_error(payload):
+        phase.unexpected.append(f"{status} not in OpenAI error JSON {payload[:120]!r} <- {what}")
+
+
+def _is_openai_error(payload: bytes) -> bool:
+    try:
+        error = json.loads(payload).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and "message" in error
 
 
 async def _calibrate(session, url: str, plan: LoadPlan, body_of) -> float:
@@ -193,12 +248,15 @@ async def _phase(session, url: str, plan: LoadPlan, phase: Phase, body_of, rng) 
     stop = asyncio.Event()
     health = asyncio.create_task(_probe_health(session, url, phase, stop))
     tasks = []
+    phase.phase_s = plan.phase_s
+    cpu_at_start = time.process_time()
     end = time.monotonic() + plan.phase_s
     while time.monotonic() < end:
         tasks.append(asyncio.create_task(_send(session, url, body_of, phase)))
         phase.sent += 1
         await asyncio.sleep(rng.expovariate(phase.rate))
     await asyncio.gather(*tasks)
+    phase.client_cpu_s = time.process_time() - cpu_at_start
     stop.set()
     await health
 

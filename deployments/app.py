@@ -16,6 +16,7 @@ from loraplex.deployments.config import (
     model_deployment_name,
 )
 from loraplex.deployments.ingress import OVERLOAD_RETRY_AFTER_S, OpenAIIngress
+from loraplex.deployments.ingress_gate import INGRESS_HEADROOM
 from loraplex.deployments.model_server import ModelServer
 from loraplex.deployments.placement import check_placement
 from loraplex.deployments.request_router import ROUTING_STATS_PERIOD_S, ResidencyRouter
@@ -107,7 +108,7 @@ def build_app(args: dict[str, Any]) -> Application:
     servers = [bind_model_server(model, config.adapter_root, registry) for model in config.models]
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
-        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        max_ongoing_requests=config.ingress.max_ongoing_requests + INGRESS_HEADROOM,
         max_queued_requests=config.ingress.max_queued_requests,
         graceful_shutdown_timeout_s=config.ingress.graceful_shutdown_timeout_s,
         backpressure_config=BackpressureConfig(retry_after_s=OVERLOAD_RETRY_AFTER_S),

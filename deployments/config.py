@@ -225,9 +225,10 @@ class IngressOptions(StrictConfig):
     (503 + Retry-After past their `max_queued_requests`), so the ingress admits more
     than they hold together: a request waiting for a model holds an ingress slot but
     no CPU, and `/health` must not wait behind them. Past `max_ongoing_requests` the
-    proxy queues up to `max_queued_requests` more, then answers 503 with Retry-After
-    itself, without the ingress doing any work: when the ingress's own CPU is the
-    bottleneck, nothing queues without bound and no request waits past its deadline."""
+    ingress answers 503 `overloaded` in OpenAI error JSON at once (ingress_gate.py);
+    Serve's own bound on the replica sits a little higher, and behind it the proxy
+    queues up to `max_queued_requests` more and then answers 503 itself (plain text),
+    which only happens when the ingress cannot take requests at all."""
 
     num_cpus: float = Field(0.1, gt=0)
     max_ongoing_requests: int = Field(1024, ge=1)

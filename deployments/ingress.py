@@ -38,7 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import RayError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -48,6 +48,7 @@ from loraplex.deployments.admission import RecentRefusals
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import PlatformConfig, model_deployment_name
 from loraplex.deployments.errors import OpenAIError, error_response
+from loraplex.deployments.ingress_gate import InFlightGate, set_gate_limit
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import (
     TENANT_LABELS,
@@ -96,6 +97,7 @@ FIRST_STEP_POLL_S = 1.0
 Body = TypeVar("Body", bound=BaseModel)
 
 app = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
+app.add_middleware(InFlightGate)
 REQUEST_BODIES = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
@@ -136,6 +138,8 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     """Anything no handler expected: logged with its traceback, answered as an OpenAI
     500 (never Starlette's plain-text one)."""
+    if isinstance(exc, TaskCancelledError):  # the client went away; nobody reads this
+        return error_response(OpenAIError(499, "client closed the request"))
     logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return error_response(OpenAIError(500, "internal error; the server logged it"))
 
@@ -478,6 +482,7 @@ class OpenAIIngress:
         self.servers = dict(zip(self.bases, servers, strict=True))
         self.tenants = Tenants(config.tenants)
         self.catalog = AdapterCatalog(config.adapter_root, config.shared_adapters())
+        set_gate_limit(config.ingress.max_ongoing_requests)
         self.limits = RateLimiter()
         self.refusals = RecentRefusals()
         self.operator_digests = frozenset(config.operator.key_digests())

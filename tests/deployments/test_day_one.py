@@ -37,6 +37,7 @@ APP, PREFIX = "dayone", "/dayone"
 KEY = "sk-dayone-test"
 BUDGET_KEY = "sk-dayone-budget-test"
 ADMIN_KEY = "sk-dayone-admin-test"
+INGRESS_BOUND = 8
 CALL_RATES = {"tokenize_requests_per_minute": 3, "admin_requests_per_minute": 3}
 LIMITS = {"max_concurrent_requests": 4, "tokens_per_minute": 2000}
 
@@ -64,7 +65,12 @@ def dayone(serve_setup, base_folder):
     server = {"num_cpus": 0.05, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 5}
     config = {
         "adapter_root": str(serve_setup.adapter_root),
-        "ingress": {"num_cpus": 0.05, "first_token_timeout_s": 2, "inter_token_timeout_s": 3},
+        "ingress": {
+            "num_cpus": 0.05,
+            "first_token_timeout_s": 2,
+            "inter_token_timeout_s": 3,
+            "max_ongoing_requests": INGRESS_BOUND,
+        },
         "models": [
             {
                 "name": "tiny",
@@ -311,6 +317,11 @@ def test_streams_dropped_right_after_sending_release_the_tenants_slots(dayone):
 
 def call(url: str, method: str, path: str, body: dict | None, key: str = ADMIN_KEY):
     """(status, JSON body) of one call with `key`."""
+    status, payload, _ = call_with_headers(url, method, path, body, key)
+    return status, payload
+
+
+def call_with_headers(url: str, method: str, path: str, body: dict | None, key: str):
     request = urllib.request.Request(
         f"{url}{path}",
         data=json.dumps(body).encode() if body is not None else None,
@@ -319,9 +330,9 @@ def call(url: str, method: str, path: str, body: dict | None, key: str = ADMIN_K
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
+            return response.status, json.loads(response.read()), response.headers
     except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+        return error.code, json.loads(error.read()), error.headers
 
 
 def test_tokenize_detokenize_and_adapter_admin_calls_have_rates_of_their_own(
@@ -404,6 +415,50 @@ def test_failpoint_calls_reach_the_replica_they_name(dayone):
             armed = handle.arm_failpoint.remote("engine.delay", None, 1, 0.0, replica=replica)
             assert armed.result(timeout_s=30) == replica
             assert handle.disarm_failpoints.remote(replica=replica).result(timeout_s=30) == replica
+
+
+def test_past_its_bound_the_ingress_refuses_in_openai_json(dayone):
+    """Item 11: with its 8 places held by slow streams (`pair` armed with a 0.5 s delay
+    per step), the ingress answers the next request itself: 503 `overloaded` in
+    OpenAI error JSON with Retry-After, not the HTTP proxy's plain text; /health still
+    answers; once the streams end, requests pass again."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    handle = serve.get_deployment_handle("model-pair", app_name=APP)
+    details = _get_global_client().get_serve_details()
+    replicas = details["applications"][APP]["deployments"]["model-pair"]["replicas"]
+    ids = [r["replica_id"] for r in replicas if r["state"] == "RUNNING"]
+    for replica in ids:
+        handle.arm_failpoint.remote("engine.delay", None, None, 0.5, replica=replica).result(
+            timeout_s=30
+        )
+    streams = []
+    try:
+        for key in (KEY, BUDGET_KEY):
+            api = client(dayone, key=key)
+            for _ in range(INGRESS_BOUND // 2):
+                stream = api.completions.create(
+                    model="pair", prompt="w1 w2", max_tokens=40, temperature=0, stream=True
+                )
+                streams.append(stream)
+        for stream in streams:
+            next(iter(stream))
+        status, body, headers = call_with_headers(
+            dayone, "POST", "/v1/completions", {"model": "tiny", "prompt": "w1"}, ADMIN_KEY
+        )
+        assert status == 503, body
+        assert int(headers["Retry-After"]) >= 1
+        assert body["error"]["code"] == "overloaded", body
+        assert "at capacity" in body["error"]["message"], body
+        assert health(dayone)[0] == 200
+    finally:
+        for replica in ids:
+            handle.disarm_failpoints.remote(replica=replica).result(timeout_s=60)
+        for stream in streams:
+            stream.close()
+    wait_for(lambda: served(dayone), 60, "served again once the streams ended")
 
 
 def test_a_folder_whose_tokenizer_class_differs_from_its_model_encodes_text(serve_url, post):

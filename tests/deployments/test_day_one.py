@@ -38,6 +38,8 @@ KEY = "sk-dayone-test"
 BUDGET_KEY = "sk-dayone-budget-test"
 ADMIN_KEY = "sk-dayone-admin-test"
 INGRESS_BOUND = 8
+DEPLOYED: dict = {}
+"""The day-one app's config as deployed (the redeploy test changes it)."""
 CALL_RATES = {"tokenize_requests_per_minute": 3, "admin_requests_per_minute": 3}
 LIMITS = {"max_concurrent_requests": 4, "tokens_per_minute": 2000}
 
@@ -84,7 +86,8 @@ def dayone(serve_setup, base_folder):
                 "name": "pair",
                 "model": base,
                 "engine": engine,
-                "server": {**server, "num_replicas": 2},
+                # Serve's graceful shutdown as the platform sets it (the redeploy test).
+                "server": {"num_cpus": 0.05, "health_check_period_s": 1, "num_replicas": 2},
                 "fault_injection": True,
             },
             {
@@ -102,6 +105,7 @@ def dayone(serve_setup, base_folder):
         ],
     }
     serve.run(build_app(config), name=APP, route_prefix=PREFIX)
+    DEPLOYED["config"] = config
     yield f"{serve_setup.url}{PREFIX}"
     serve.delete(APP)
 
@@ -500,3 +504,56 @@ def test_metrics_without_an_operator_key_are_private_unless_public(dayone):
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.code == 403
         assert json.loads(refused.value.read())["error"]["code"] == "metrics_private"
+
+
+def test_a_redeploy_lets_a_stream_in_flight_finish(dayone):
+    """Item 9: a stream open while the app is redeployed (a model option changes, so
+    Serve replaces the model's replicas and the ingress's) runs to its end on the old
+    replicas: 60 tokens at 1 s each, longer than Serve's default graceful shutdown
+    (20 s for the ingress, 30 s for a model replica) after the replacement is up."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    from loraplex.deployments.app import build_app
+
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    handle = serve.get_deployment_handle("model-pair", app_name=APP)
+    details = _get_global_client().get_serve_details()
+    replicas = details["applications"][APP]["deployments"]["model-pair"]["replicas"]
+    for replica in [r["replica_id"] for r in replicas if r["state"] == "RUNNING"]:
+        handle.arm_failpoint.remote("engine.delay", None, None, 1.0, replica=replica).result(
+            timeout_s=30
+        )
+    stream = client(dayone, timeout=180).completions.create(
+        model="pair",
+        prompt="w1 w2",
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
+    )
+    chunks = iter(stream)
+    next(chunks)
+    config = DEPLOYED["config"]
+    models = [
+        {**m, "engine": {**m["engine"], "max_num_seqs": 9}} if m["name"] == "pair" else m
+        for m in config["models"]
+    ]
+    redeployed = {**config, "models": models}
+    redeploy = threading.Thread(
+        target=lambda: serve.run(build_app(redeployed), name=APP, route_prefix=PREFIX)
+    )
+    redeploy.start()
+    finish, usage = None, None
+    for chunk in chunks:
+        if chunk.choices:
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    redeploy.join(timeout=300)
+    DEPLOYED["config"] = redeployed
+    assert finish == "length" and usage.completion_tokens == 60, (finish, usage)
+    after = _get_global_client().get_serve_details()
+    new = after["applications"][APP]["deployments"]["model-pair"]["replicas"]
+    assert not {r["replica_id"] for r in new} & {r["replica_id"] for r in replicas}, new
+    wait_for(lambda: served(dayone), 120, "the redeployed app serves")

@@ -24,14 +24,6 @@ counts toward `max_wait_s`, but a request that can start at once is never refuse
 watched long enough to measure its departure rate, nothing is refused.
 
 Everything runs on the replica's event loop: no locks.
-
-`RecentRefusals` is the ingress's side: once a replica refused a tenant's request for
-load, the ingress refuses that tenant's next requests to the same model itself for
-`REFUSAL_HOLD_S` (503 with the replica's message), without calling the model. Under
-overload most requests are refused; answering them where they arrive leaves the model
-replica's CPU to its engine, while the engine's queue (up to `max_wait_s` of work)
-keeps the batch full through the hold. Other tenants are not held: the replica's
-estimate is per tenant.
 """
 
 from __future__ import annotations
@@ -179,33 +171,3 @@ class AdmissionControl:
                 self.departure_rate += SMOOTHING * (sample - self.departure_rate)
             self._window_s = 0.0
             self._window_departures = 0
-
-
-REFUSAL_HOLD_S = 0.5
-"""How long the ingress repeats a replica's refusal of a tenant for a model."""
-MAX_HELD = 4096
-
-
-class RecentRefusals:
-    """The ingress's memory of recent load refusals per (model, tenant) (module doc)."""
-
-    def __init__(self, hold_s: float = REFUSAL_HOLD_S) -> None:
-        self.hold_s = hold_s
-        self._held: dict[tuple[str, str], tuple[float, str, int]] = {}
-
-    def record(self, model: str, tenant: str, message: str, retry_after_s: int) -> None:
-        now = time.monotonic()
-        if len(self._held) >= MAX_HELD:
-            self._held = {k: v for k, v in self._held.items() if v[0] > now}
-        self._held[(model, tenant)] = (now + self.hold_s, message, retry_after_s)
-
-    def held(self, model: str, tenant: str) -> tuple[str, int] | None:
-        """(message, Retry-After) of a refusal still held for the pair, else None."""
-        entry = self._held.get((model, tenant))
-        if entry is None:
-            return None
-        until, message, retry_after_s = entry
-        if until <= time.monotonic():
-            del self._held[(model, tenant)]
-            return None
-        return message, retry_after_s

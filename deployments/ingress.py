@@ -44,7 +44,6 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.deployments.adapter_validation import AdapterValidator
-from loraplex.deployments.admission import RecentRefusals
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import PlatformConfig, model_deployment_name
 from loraplex.deployments.errors import OpenAIError, error_response
@@ -56,7 +55,7 @@ from loraplex.deployments.metrics import (
     ProcessMemory,
     render_prometheus,
 )
-from loraplex.deployments.model_server import OVERLOADED, GenerateCall, GenerateError, StreamStep
+from loraplex.deployments.model_server import GenerateCall, GenerateError, StreamStep
 from loraplex.deployments.openapi import openapi_document
 from loraplex.deployments.protocol import (
     AdapterCard,
@@ -484,7 +483,6 @@ class OpenAIIngress:
         self.catalog = AdapterCatalog(config.adapter_root, config.shared_adapters())
         set_gate_limit(config.ingress.max_ongoing_requests)
         self.limits = RateLimiter()
-        self.refusals = RecentRefusals()
         self.operator_digests = frozenset(config.operator.key_digests())
         self.log_prompts = config.log_prompts
         self.first_token_timeout_s = config.ingress.first_token_timeout_s
@@ -829,11 +827,6 @@ class OpenAIIngress:
         n = body.n
         sequences = len(calls) * n
         _check_fits_tenant(tenant, calls, n)
-        held = self.refusals.held(route.base, tenant.name)
-        if held is not None:
-            self.metrics.record(tenant.name, 503)
-            message, retry_after_s = held
-            raise OpenAIError(503, message, code=OVERLOADED, retry_after_s=retry_after_s)
         estimate = sum(prompt_tokens_estimate(c) + n * c.params.max_tokens for c in calls)
         try:
             reserved = self.limits.admit(tenant, estimate, sequences)
@@ -923,10 +916,6 @@ class OpenAIIngress:
         except RayError as exc:
             raise replica_failed(route.base, call.request_id, exc) from None
         if isinstance(first, GenerateError):
-            if first.code == OVERLOADED:
-                self.refusals.record(
-                    route.base, call.tenant, first.message, first.retry_after_s or 1
-                )
             raise _generate_error(first)
         return steps, first
 

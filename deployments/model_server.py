@@ -151,7 +151,7 @@ class GenerateError:
     param: str | None = None
     retry_after_s: int | None = None
     code: str | None = None
-    """`overloaded`: refused for load (admission), which the ingress repeats briefly."""
+    """`overloaded`: refused for load (admission)."""
 
 
 class AdapterRequests:

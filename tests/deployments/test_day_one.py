@@ -20,6 +20,7 @@ a first token 2 s (so a cold start longer than that shows) and a silent stream 3
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import threading
@@ -38,6 +39,8 @@ KEY = "sk-dayone-test"
 BUDGET_KEY = "sk-dayone-budget-test"
 ADMIN_KEY = "sk-dayone-admin-test"
 INGRESS_BOUND = 8
+DROPPED_STREAMS = int(os.environ.get("LORAPLEX_DROPPED_STREAMS", "300"))
+"""Streams the early-disconnect test drops (300 in CI; the issue's run is 10,000)."""
 DEPLOYED: dict = {}
 """The day-one app's config as deployed (the redeploy test changes it)."""
 CALL_RATES = {"tokenize_requests_per_minute": 3, "admin_requests_per_minute": 3}
@@ -286,11 +289,11 @@ def _open_and_drop(host: str, port: int, path: str, delay_s: float) -> None:
 def test_streams_dropped_right_after_sending_release_the_tenants_slots(dayone):
     """Item 8: streams whose clients go away 0-50 ms after sending (many before their
     first chunk) leave nothing in flight: afterwards the tenant still runs its full
-    concurrency (4) without a 429."""
+    concurrency (4) without a 429 (a leaked slot or reservation would hold one)."""
     wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
     host, port = dayone.split("//")[1].split("/")[0].split(":")
     rng = random.Random(31)
-    delays = [rng.uniform(0.0, 0.05) for _ in range(300)]
+    delays = [rng.uniform(0.0, 0.05) for _ in range(DROPPED_STREAMS)]
     with ThreadPoolExecutor(8) as pool:
         list(
             pool.map(
@@ -316,7 +319,8 @@ def test_streams_dropped_right_after_sending_release_the_tenants_slots(dayone):
             thread.join()
         return results == [200] * len(threads)
 
-    wait_for(all_four_pass, 30, "the tenant runs 4 at once again", period_s=1.0)
+    # Tokens the dropped streams did use stay booked for a minute (no leak: they ran).
+    wait_for(all_four_pass, 90, "the tenant runs 4 at once again", period_s=1.0)
 
 
 def call(url: str, method: str, path: str, body: dict | None, key: str = ADMIN_KEY):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ray.exceptions import RayError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from loraplex.adapters.peft_format import AdapterError, load_peft_adapter
@@ -62,7 +62,7 @@ class AdapterValidator:
         while not future.done():
             try:
                 shape = await self._servers[base].adapter_shape.remote()
-            except (RayError, BackPressureError) as exc:
+            except (RayError, BackPressureError, DeploymentUnavailableError) as exc:
                 logger.info("adapter shape of %s not yet known (%r); retrying", base, exc)
                 await asyncio.sleep(SHAPE_RETRY_S)
                 continue

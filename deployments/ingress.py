@@ -89,6 +89,11 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 256
 OVERLOAD_RETRY_AFTER_S = 2
+SERVE_REFUSALS = (BackPressureError, DeploymentUnavailableError)
+"""What Serve raises for a call it would not send: the model's queue is full, or its
+deployment failed (`serve_refusal` turns either into a 503)."""
+OPERATOR_CALL_FAILURES = (RayError, *SERVE_REFUSALS, TimeoutError)
+"""What ends an operator call to a deployment (failpoints, residency) with a 503."""
 ADMIN_CALL_S = 30.0
 """How long an operator call (failpoints, residency) waits for the replicas' answers."""
 FIRST_STEP_POLL_S = 1.0
@@ -627,7 +632,7 @@ class OpenAIIngress:
             )
         except PermissionError:
             raise OpenAIError(403, f"fault injection is off for model {model!r}") from None
-        except (RayError, BackPressureError, DeploymentUnavailableError, TimeoutError) as exc:
+        except OPERATOR_CALL_FAILURES as exc:
             logger.warning("%s on %s failed: %r", method, model, exc)
             raise OpenAIError(
                 503,
@@ -659,7 +664,7 @@ class OpenAIIngress:
             replicas = await asyncio.wait_for(
                 _awaited(self.registry.view.remote(model)), ADMIN_CALL_S
             )
-        except (RayError, BackPressureError, DeploymentUnavailableError, TimeoutError) as exc:
+        except OPERATOR_CALL_FAILURES as exc:
             logger.warning("residency view failed: %r", exc)
             raise OpenAIError(
                 503,
@@ -745,7 +750,7 @@ class OpenAIIngress:
         request_id = new_id(method)
         try:
             result = await getattr(self.servers[base], method).remote(*args)
-        except (BackPressureError, DeploymentUnavailableError) as exc:
+        except SERVE_REFUSALS as exc:
             raise serve_refusal(base, exc) from None
         except RayError as exc:
             raise replica_failed(base, request_id, exc) from None
@@ -911,7 +916,7 @@ class OpenAIIngress:
         steps = handle.generate.remote(call)
         try:
             first = await self._first_step(route.base, call.request_id, steps)
-        except (BackPressureError, DeploymentUnavailableError) as exc:
+        except SERVE_REFUSALS as exc:
             raise serve_refusal(route.base, exc) from None
         except RayError as exc:
             raise replica_failed(route.base, call.request_id, exc) from None

@@ -23,7 +23,15 @@ counts toward `max_wait_s`, but a request that can start at once is never refuse
 (however long it waited for the replica to come up). Until a full batch has been
 watched long enough to measure its departure rate, nothing is refused.
 
-Everything runs on the replica's event loop: no locks.
+The ingress runs the same estimate over the whole deployment (`FleetAdmission`: one
+batch of `max_num_seqs` per running replica, fed with the requests the ingress itself
+sent) and refuses there first, so that under overload a refusal costs no call to a
+model replica: no Serve routing, no actor call, no Python time on the replica the
+engine computes in. Its view holds every request it sent, those still in Serve's queue
+included, so it refuses no later than the replicas would; with several ingress replicas
+each sees only its own share and the model replicas refuse the rest.
+
+Everything runs on one event loop (the replica's or the ingress's): no locks.
 """
 
 from __future__ import annotations
@@ -124,8 +132,11 @@ class AdmissionControl:
         waited_s: float = 0.0,
         tenant: str = "",
         weight: float = 1.0,
+        enforce: bool = True,
     ) -> Refusal | None:
-        estimate = self.estimated_wait_s(sequences, tenant, weight)
+        """`enforce=False` admits without an estimate (the request is counted all the
+        same)."""
+        estimate = self.estimated_wait_s(sequences, tenant, weight) if enforce else 0.0
         if self.max_wait_s is not None and estimate > 0:
             wait = max(waited_s, 0.0) + estimate
             if wait > self.max_wait_s:
@@ -171,3 +182,43 @@ class AdmissionControl:
                 self.departure_rate += SMOOTHING * (sample - self.departure_rate)
             self._window_s = 0.0
             self._window_departures = 0
+
+
+class FleetAdmission:
+    """Semantics: the ingress's `AdmissionControl` over one model deployment (module
+    docstring): its batch is `max_num_seqs` sequences per running replica.
+    `set_replicas(n)` follows the running replicas (at least 1), scaling the measured
+    departure rate with them; `admit(..., serving=False)` (no running replica: a cold
+    start, which the ingress waits out) counts the request but refuses nothing."""
+
+    def __init__(
+        self,
+        max_wait_s: float | None,
+        max_num_seqs: int,
+        fair: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_replica = max_num_seqs
+        self.replicas = 1
+        self.control = AdmissionControl(max_wait_s, max_num_seqs, clock, fair)
+
+    def set_replicas(self, running: int) -> None:
+        replicas = max(running, 1)
+        if replicas == self.replicas:
+            return
+        control = self.control
+        if control.departure_rate is not None:
+            control.departure_rate *= replicas / self.replicas
+        self.replicas = replicas
+        control.max_num_seqs = replicas * self.per_replica
+
+    def admit(
+        self, request_id: str, sequences: int, tenant: str, weight: float, serving: bool
+    ) -> Refusal | None:
+        return self.control.admit(request_id, sequences, 0.0, tenant, weight, enforce=serving)
+
+    def started(self, request_id: str) -> None:
+        self.control.started(request_id)
+
+    def finish(self, request_id: str) -> None:
+        self.control.finish(request_id)

@@ -44,8 +44,13 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.deployments.adapter_validation import AdapterValidator
+from loraplex.deployments.admission import FleetAdmission
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
-from loraplex.deployments.config import PlatformConfig, model_deployment_name
+from loraplex.deployments.config import (
+    ModelDeploymentConfig,
+    PlatformConfig,
+    model_deployment_name,
+)
 from loraplex.deployments.errors import OpenAIError, error_response
 from loraplex.deployments.ingress_gate import InFlightGate, set_gate_limit
 from loraplex.deployments.logs import send_platform_logs_to_serve
@@ -429,6 +434,15 @@ class ClosingStreamingResponse(StreamingResponse):
             self._end.run(cancel=True)
 
 
+def fleet_admission(model: ModelDeploymentConfig) -> FleetAdmission:
+    """The ingress's admission estimate over `model`'s replicas, with the limits their
+    own admission uses."""
+    scheduler = model.engine_config().scheduler
+    return FleetAdmission(
+        model.admission_max_wait_s, scheduler.max_num_seqs, fair=scheduler.policy == "fair"
+    )
+
+
 def _check_fits_tenant(tenant: Tenant, calls: list[GenerateCall], n: int) -> None:
     """400 for a request that could never pass the tenant's limits: more sequences
     (prompts x n) than its concurrency limit, or more output tokens alone (prompts x n x
@@ -493,6 +507,7 @@ class OpenAIIngress:
         self.first_token_timeout_s = config.ingress.first_token_timeout_s
         self.inter_token_timeout_s = config.ingress.inter_token_timeout_s
         self.cold_start_wait_s = {m.name: m.cold_start_wait_s for m in config.models}
+        self.admission = {m.name: fleet_admission(m) for m in config.models}
         self.metrics = IngressMetrics()
         context = serve.get_replica_context()
         self.memory = ProcessMemory("ingress", context.replica_id.unique_id)
@@ -838,6 +853,11 @@ class OpenAIIngress:
         except RateLimited as exc:
             self.metrics.record(tenant.name, 429)
             raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
+        try:
+            await self._admit(route.base, tenant, response_id, sequences)
+        except BaseException:
+            self.limits.release(tenant, 0, reserved, sequences)
+            raise
         self._record_usage(tenant)
         accumulators = [
             ChoiceAccumulator(
@@ -851,14 +871,17 @@ class OpenAIIngress:
             )
             for i in range(len(calls))
         ]
+        admission = self.admission[route.base]
         try:
             started = await self._start_all(route, calls)
             worst = sum(first.worst_case_tokens for _, first in started)
             _check_worst_case_fits_budget(tenant, worst, started)
         except BaseException:
+            admission.finish(response_id)
             self.limits.release(tenant, 0, reserved, sequences)
             self._record_usage(tenant)
             raise
+        admission.started(response_id)
         reserved = self.limits.settle(tenant, reserved, worst)
         self._record_usage(tenant)
         logger.info(
@@ -878,7 +901,9 @@ class OpenAIIngress:
         ]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            end = _StreamEnd(lambda: self._finish(tenant, accumulators, reserved, sequences))
+            end = _StreamEnd(
+                lambda: self._finish(tenant, accumulators, reserved, sequences, admission)
+            )
             for _, _, steps in streams:
                 end.cancels(steps)
             return ClosingStreamingResponse(
@@ -891,8 +916,26 @@ class OpenAIIngress:
         except RayError as exc:
             raise replica_failed(route.base, response_id, exc) from None
         finally:
-            self._finish(tenant, accumulators, reserved, sequences)
+            self._finish(tenant, accumulators, reserved, sequences, admission)
         return JSONResponse(batch_body(accumulators))
+
+    async def _admit(self, base: str, tenant: Tenant, response_id: str, sequences: int) -> None:
+        """The ingress's own admission estimate over `base`'s running replicas
+        (admission.FleetAdmission): 503 `overloaded` at once, before any call to the
+        model, for a request they could not start within `admission_max_wait_s`. During
+        a cold start (no running replica) nothing is refused here."""
+        state = await self.readiness.latest(base)
+        admission = self.admission[base]
+        admission.set_replicas(state.running)
+        refusal = admission.admit(
+            response_id, sequences, tenant.name, tenant.weight, serving=state.running > 0
+        )
+        if refusal is None:
+            return
+        self.metrics.record(tenant.name, 503)
+        raise OpenAIError(
+            503, refusal.message, code="overloaded", retry_after_s=refusal.retry_after_s
+        )
 
     async def _start_all(self, route: Route, calls: list[GenerateCall]):
         """`_start` for every call at once; when one fails, the others are cancelled and
@@ -985,7 +1028,9 @@ class OpenAIIngress:
         accumulators: list[ChoiceAccumulator],
         reserved: int,
         sequences: int,
+        admission: FleetAdmission,
     ) -> None:
+        admission.finish(accumulators[0].request_id)
         prompt_tokens = sum(a.prompt_tokens for a in accumulators)
         output_tokens = sum(sum(a.completion_tokens) for a in accumulators)
         self.limits.release(tenant, prompt_tokens + output_tokens, reserved, sequences)

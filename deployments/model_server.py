@@ -483,6 +483,7 @@ class ModelServer:
             "replica": self.metrics.tags["replica"],
             "resident_model_ids": sorted(self._resident_keys),
             "pid": os.getpid(),
+            "admission_refused": self.admission.refused,
             **dataclasses.asdict(snapshot),
         }
 

@@ -105,6 +105,8 @@ class ModelReadiness:
         """Model -> the latest measured replica start (actor start to RUNNING)."""
         self._seen_starting: dict[str, float] = {}
         """Model -> `starting_since` of the cold start under way, while it lasts."""
+        self._refreshing: set[asyncio.Future] = set()
+        """Background refreshes (`latest`), held so they are not collected."""
 
     async def states(self) -> dict[str, ModelState]:
         """Every model's state, at most TTL_S old; a failed controller call keeps the
@@ -124,6 +126,17 @@ class ModelReadiness:
 
     async def state(self, model: str) -> ModelState:
         return (await self.states())[model]
+
+    async def latest(self, model: str) -> ModelState:
+        """`model`'s last view without waiting for a stale one to be refreshed (the
+        refresh runs in the background); waits only for the very first view."""
+        if model not in self._states:
+            return await self.state(model)
+        if time.monotonic() - self._read_at >= TTL_S and not self._lock.locked():
+            refresh = asyncio.ensure_future(self.states())
+            self._refreshing.add(refresh)
+            refresh.add_done_callback(self._refreshing.discard)
+        return self._states[model]
 
     def _observe(self, states: dict[str, ModelState]) -> None:
         for model, state in states.items():

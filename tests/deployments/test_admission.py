@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from loraplex.deployments.admission import SMOOTHING, AdmissionControl
+from loraplex.deployments.admission import SMOOTHING, AdmissionControl, FleetAdmission
 
 
 class Clock:
@@ -147,6 +147,52 @@ def test_the_rate_follows_a_slower_batch():
         clock.now += 8.0
         control.finish(f"s{i}")
     assert control.departure_rate == pytest.approx(0.5 + SMOOTHING * (4 / 32 - 0.5))
+
+
+def measured_fleet(max_wait_s: float = 5.0) -> tuple[FleetAdmission, Clock]:
+    """The ingress's view of one replica with a batch of 2 that lost 4 sequences in 8 s
+    (0.5/s), now empty."""
+    clock = Clock()
+    fleet = FleetAdmission(max_wait_s, 2, clock=clock)
+    for i in range(6):
+        assert fleet.admit(f"w{i}", 1, "t", 1.0, serving=True) is None
+    for i in range(4):
+        fleet.started(f"w{i}")
+        clock.now += 2.0
+        fleet.finish(f"w{i}")
+    fleet.finish("w4")
+    fleet.finish("w5")
+    assert fleet.control.departure_rate == pytest.approx(0.5)
+    return fleet, clock
+
+
+def test_the_ingress_refuses_past_the_wait_of_one_batch_per_running_replica():
+    fleet, _ = measured_fleet(max_wait_s=5.0)
+    admitted = [fleet.admit(f"a{i}", 1, "t", 1.0, serving=True) for i in range(4)]
+    assert admitted == [None] * 4
+    # 4 in flight, batch 2: a fifth waits (5 - 2) / 0.5 = 6 s > 5 s.
+    refusal = fleet.admit("x", 1, "t", 1.0, serving=True)
+    assert refusal is not None and refusal.wait_s == pytest.approx(6.0)
+    # A second running replica doubles the batch and the departure rate:
+    # (5 - 4) / 1.0 = 1 s.
+    fleet.set_replicas(2)
+    assert fleet.control.departure_rate == pytest.approx(1.0)
+    assert fleet.admit("y", 1, "t", 1.0, serving=True) is None
+    fleet.set_replicas(1)
+    assert fleet.control.departure_rate == pytest.approx(0.5)
+    assert fleet.control.max_num_seqs == 2
+
+
+def test_the_ingress_refuses_nothing_while_no_replica_runs_but_counts_it():
+    fleet, _ = measured_fleet(max_wait_s=1.0)
+    fleet.set_replicas(0)
+    assert fleet.replicas == 1
+    assert all(fleet.admit(f"c{i}", 1, "t", 1.0, serving=False) is None for i in range(20))
+    assert fleet.control.in_flight == 20
+    assert fleet.admit("d", 1, "t", 1.0, serving=True) is not None
+    for i in range(20):
+        fleet.finish(f"c{i}")
+    assert fleet.control.in_flight == 0
 
 
 def test_a_slow_model_server_refuses_what_it_cannot_start_and_finishes_the_rest(

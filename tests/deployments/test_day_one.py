@@ -38,6 +38,8 @@ APP, PREFIX = "dayone", "/dayone"
 KEY = "sk-dayone-test"
 BUDGET_KEY = "sk-dayone-budget-test"
 ADMIN_KEY = "sk-dayone-admin-test"
+BULK_KEY = "sk-dayone-bulk-test"
+"""A tenant without limits (the ingress admission test fills the batch with it)."""
 INGRESS_BOUND = 8
 DROPPED_STREAMS = int(os.environ.get("LORAPLEX_DROPPED_STREAMS", "300"))
 """Streams the early-disconnect test drops (300 in CI; the issue's run is 10,000)."""
@@ -84,6 +86,7 @@ def dayone(serve_setup, base_folder):
                 "server": server,
                 "fault_injection": True,
                 "max_engine_restarts": 2,
+                "admission_max_wait_s": 1,
             },
             {
                 "name": "pair",
@@ -105,6 +108,7 @@ def dayone(serve_setup, base_folder):
             {"name": "dayone", "api_key_sha256": [hash_key(KEY)], **LIMITS},
             {"name": "budget", "api_key_sha256": [hash_key(BUDGET_KEY)], **LIMITS},
             {"name": "admin", "api_key_sha256": [hash_key(ADMIN_KEY)], **LIMITS, **CALL_RATES},
+            {"name": "bulk", "api_key_sha256": [hash_key(BULK_KEY)]},
         ],
     }
     serve.run(build_app(config), name=APP, route_prefix=PREFIX)
@@ -467,6 +471,60 @@ def test_past_its_bound_the_ingress_refuses_in_openai_json(dayone):
         for stream in streams:
             stream.close()
     wait_for(lambda: served(dayone), 60, "served again once the streams ended")
+
+
+def test_under_overload_the_ingress_refuses_before_calling_the_model(dayone):
+    """Item 11 (refusals that cost little): once the ingress measured how fast `tiny`'s
+    full batch (8 sequences) empties (`engine.delay` 0.05 s per step: at most 8
+    sequences per 3.2 s), a request it could not start within `admission_max_wait_s`
+    (1 s) gets 503 `overloaded` with Retry-After from the ingress itself: the model
+    replica's own admission refused nothing, and the admitted requests complete."""
+    from ray import serve
+
+    wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
+    handle = serve.get_deployment_handle("model-tiny", app_name=APP)
+    refused_before = handle.replica_info.remote().result(timeout_s=30)["admission_refused"]
+    api = client(dayone, key=BULK_KEY)
+
+    def run(max_tokens: int = 64):
+        return api.completions.create(
+            model="tiny",
+            prompt="w1 w2",
+            max_tokens=max_tokens,
+            n=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    handle.arm_failpoint.remote("engine.delay", None, None, 0.05).result(timeout_s=30)
+    try:
+        # Two rounds of 8 sequences, each holding the batch full for over 3 s: the
+        # departure rate measured, with nothing queued past the 2 s first-token timeout.
+        for _ in range(2):
+            with ThreadPoolExecutor(2) as pool:
+                measured = [f.result() for f in [pool.submit(run) for _ in range(2)]]
+            assert all(len(r.choices) == 4 for r in measured)
+        with ThreadPoolExecutor(2) as pool:
+            running = [pool.submit(run) for _ in range(2)]
+            time.sleep(1.0)  # 8 sequences hold the batch: 4 more would wait >= 1.6 s
+            started = time.monotonic()
+            status, body, headers = call_with_headers(
+                dayone,
+                "POST",
+                "/v1/completions",
+                {"model": "tiny", "prompt": "w1", "n": 4, "max_tokens": 48},
+                BULK_KEY,
+            )
+            took = time.monotonic() - started
+            admitted = [f.result() for f in running]
+    finally:
+        handle.disarm_failpoints.remote().result(timeout_s=60)
+    assert status == 503, body
+    assert body["error"]["code"] == "overloaded" and "at capacity" in body["error"]["message"]
+    assert int(headers["Retry-After"]) >= 1 and took < 1.0, (headers, took)
+    assert all(len(r.choices) == 4 for r in admitted)
+    info = handle.replica_info.remote().result(timeout_s=30)
+    assert info["admission_refused"] == refused_before, info
 
 
 def test_a_folder_whose_tokenizer_class_differs_from_its_model_encodes_text(serve_url, post):

@@ -148,6 +148,13 @@ class AdmissionControl:
         self._set_in_flight(self.in_flight + sequences)
         return None
 
+    def refusing_for_s(self, tenant: str = "", weight: float = 1.0) -> float:
+        """How long a one-sequence request of `tenant` would keep being refused if nothing
+        else were admitted and the batch drained at the measured rate (0: not now)."""
+        if self.max_wait_s is None:
+            return 0.0
+        return max(0.0, self.estimated_wait_s(1, tenant, weight) - self.max_wait_s)
+
     def started(self, request_id: str) -> None:
         entry = self._entries.get(request_id)
         if entry is not None:
@@ -216,6 +223,9 @@ class FleetAdmission:
         self, request_id: str, sequences: int, tenant: str, weight: float, serving: bool
     ) -> Refusal | None:
         return self.control.admit(request_id, sequences, 0.0, tenant, weight, enforce=serving)
+
+    def refusing_for_s(self, tenant: str, weight: float) -> float:
+        return self.control.refusing_for_s(tenant, weight)
 
     def started(self, request_id: str) -> None:
         self.control.started(request_id)

@@ -227,7 +227,7 @@ class IngressOptions(StrictConfig):
     no CPU, and `/health` must not wait behind them. Past `max_ongoing_requests` the
     ingress answers 503 `overloaded` in OpenAI error JSON at once (ingress_gate.py);
     Serve's own bound on the replica sits a little higher, and behind it the proxy
-    queues up to `max_queued_requests` more and then answers 503 itself (plain text),
+    queues up to `max_queued_requests` more and then answers 503 itself,
     which only happens when the ingress cannot take requests at all."""
 
     num_cpus: float = Field(0.1, gt=0)

@@ -16,6 +16,16 @@ ERROR_TYPES = {
 }
 
 
+MAX_BODY_BYTES = 1 << 20
+"""The largest request body read: Serve's HTTP proxy (proxy_middleware.py) answers 413
+past it before the body reaches the ingress, and the ingress checks it again."""
+
+REFUSING_FOR_HEADER = "x-loraplex-refusing-for-ms"
+"""On an `overloaded` 503 of the ingress: how long it expects to refuse the same tenant's
+requests for the same model. Serve's proxy (proxy_middleware.py) refuses those itself
+meanwhile, and strips the header."""
+
+
 class OpenAIError(Exception):
     def __init__(
         self,
@@ -24,8 +34,10 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: int | None = None,
+        refusing_for_s: float = 0.0,
     ) -> None:
         super().__init__(message)
+        self.refusing_for_s = refusing_for_s
         self.status = status
         self.message = message
         self.param = param
@@ -42,5 +54,7 @@ def error_response(error: OpenAIError) -> JSONResponse:
             "code": error.code,
         }
     }
-    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s else None
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s else {}
+    if error.refusing_for_s > 0:
+        headers[REFUSING_FOR_HEADER] = str(round(error.refusing_for_s * 1e3))
+    return JSONResponse(body, status_code=error.status, headers=headers or None)

@@ -51,7 +51,7 @@ from loraplex.deployments.config import (
     PlatformConfig,
     model_deployment_name,
 )
-from loraplex.deployments.errors import OpenAIError, error_response
+from loraplex.deployments.errors import MAX_BODY_BYTES, OpenAIError, error_response
 from loraplex.deployments.ingress_gate import InFlightGate, set_gate_limit
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import (
@@ -91,7 +91,6 @@ from loraplex.deployments.tool_calls import ToolCalling
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 256
 OVERLOAD_RETRY_AFTER_S = 2
 SERVE_REFUSALS = (BackPressureError, DeploymentUnavailableError)
@@ -934,7 +933,11 @@ class OpenAIIngress:
             return
         self.metrics.record(tenant.name, 503)
         raise OpenAIError(
-            503, refusal.message, code="overloaded", retry_after_s=refusal.retry_after_s
+            503,
+            refusal.message,
+            code="overloaded",
+            retry_after_s=refusal.retry_after_s,
+            refusing_for_s=admission.refusing_for_s(tenant.name, tenant.weight),
         )
 
     async def _start_all(self, route: Route, calls: list[GenerateCall]):

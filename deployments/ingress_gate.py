@@ -1,13 +1,14 @@
 """The ingress's own bound on the requests it works on, answered in OpenAI error JSON.
 
 Past its `max_ongoing_requests` Ray Serve's HTTP proxy queues a request for the
-ingress, and past `max_queued_requests` answers 503 itself, in plain text. The ingress
+ingress, and past `max_queued_requests` answers 503 itself (Serve's plain text, which
+proxy_middleware.py turns into OpenAI error JSON with a generic message). The ingress
 therefore bounds itself first: Serve's limit on an ingress replica is
 `ingress.max_ongoing_requests + INGRESS_HEADROOM` (app.py), and this middleware answers
 the request past `ingress.max_ongoing_requests` at once with 503 `overloaded`, OpenAI
 error JSON and Retry-After, before its body is read. The headroom carries these
 refusals and the probes (`/health`, `/metrics`, which the gate never counts), so the
-proxy's plain-text 503 is left for an ingress that cannot take requests at all (dead,
+proxy's own 503 is left for an ingress that cannot take requests at all (dead,
 or its event loop stalled). A stream counts until it ends.
 
 One ingress replica per process, and its requests all run on one event loop: the

@@ -34,6 +34,8 @@ from loraplex.deployments.check.soak import request_body
 ALLOWED = (200, 429, 503)
 HEALTH_PERIOD_S = 0.25
 MEMORY_METRIC = "loraplex_process_resident_memory_bytes"
+PROXY_REFUSALS_METRIC = "loraplex_proxy_refusals_total"
+"""503s the HTTP proxy answered from the ingress's refusal window (proxy_middleware.py)."""
 MEMORY_EXPORT_S = 6.0
 """Replicas refresh the gauge every 2 s and Ray exports it every few seconds."""
 
@@ -83,6 +85,8 @@ class Phase:
     """CPU seconds this load generator used in the level (it shares the machine)."""
     memory_mib: dict[str, float] = field(default_factory=dict)
     """Resident memory per component (summed over its replicas) at the level's end."""
+    proxy_refusals: float | None = None
+    """Of the level's 503s, those the HTTP proxy answered (None: no operator key)."""
 
     def health_p(self, q: float) -> float:
         return _percentile(self.health_ms, q)
@@ -102,6 +106,7 @@ class Phase:
             f"{self.client_cpu_s / self.phase_s if self.phase_s else 0.0:.2f} | "
             f"{self.without_retry_after} | {self.hung} | {self.torn} | "
             f"{self.health_p(0.5):.0f} / {self.health_p(0.99):.0f} | "
+            f"{'-' if self.proxy_refusals is None else f'{self.proxy_refusals:.0f}'} | "
             f"{format_memory(self.memory_mib)} |"
         )
 
@@ -134,8 +139,8 @@ class LoadReport:
         head = (
             "| load | req/s | sent | statuses | goodput req/s (of the first level's) | "
             "refusal p50 ms | client CPUs | 429/503 without Retry-After | hung | torn | "
-            "/health p50 / p99 ms | resident MiB at the end |\n"
-            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"
+            "/health p50 / p99 ms | 503s from the proxy | resident MiB at the end |\n"
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|"
         )
         first = self.phases[0].goodput_rps if self.phases else 0.0
         rows = "\n".join(p.row(first) for p in self.phases)
@@ -277,27 +282,36 @@ async def _run(url: str, api_key: str, plan: LoadPlan, progress) -> LoadReport:
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as s:
         progress("calibrating")
         report.capacity_rps = await _calibrate(s, url, plan, body_of)
-        report.memory_before_mib = await _memory(url, plan)
+        report.memory_before_mib, proxy_refusals = await _sample(url, plan)
         for multiple in plan.multiples:
             phase = Phase(multiple, multiple * report.capacity_rps)
             progress(f"{multiple:g}x at {phase.rate:.1f} req/s for {plan.phase_s:.0f} s")
             await _phase(s, url, plan, phase, body_of, rng)
-            phase.memory_mib = await _memory(url, plan)
+            phase.memory_mib, refusals_after = await _sample(url, plan)
+            if proxy_refusals is not None and refusals_after is not None:
+                phase.proxy_refusals = refusals_after - proxy_refusals
+            proxy_refusals = refusals_after
             report.phases.append(phase)
             await asyncio.sleep(2.0)  # let the queue drain between phases
         await asyncio.sleep(plan.drain_s)
-        report.memory_idle_mib = await _memory(url, plan)
+        report.memory_idle_mib, _ = await _sample(url, plan)
     return report
 
 
-async def _memory(url: str, plan: LoadPlan) -> dict[str, float]:
+async def _sample(url: str, plan: LoadPlan) -> tuple[dict[str, float], float | None]:
+    """Each component's resident MiB and the proxy's refusals so far, from /metrics
+    (nothing without an operator key)."""
     if plan.operator_key is None:
-        return {}
+        return {}, None
     await asyncio.sleep(MEMORY_EXPORT_S)
     by_component = await asyncio.to_thread(
         metric_sums, url, plan.operator_key, (MEMORY_METRIC,), "component"
     )
-    return {component: value / 2**20 for component, value in by_component.items()}
+    refusals = await asyncio.to_thread(
+        metric_sums, url, plan.operator_key, (PROXY_REFUSALS_METRIC,)
+    )
+    memory = {component: value / 2**20 for component, value in by_component.items()}
+    return memory, refusals[PROXY_REFUSALS_METRIC]
 
 
 def run_load(

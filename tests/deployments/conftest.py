@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from loraplex.deployments.tenants import hash_key
 
@@ -32,6 +33,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 KEYS = {"acme": "sk-acme-test", "globex": "sk-globex-test", "limited": "sk-limited-test"}
 OPERATOR_KEY = "sk-operator-test"
 GLOBEX_KEY_ENV = "LORAPLEX_TEST_GLOBEX_KEY"
+REPO = Path(__file__).resolve().parents[2]
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHARED = {
     "sa": dict(rank=4, target_modules=("q_proj", "v_proj"), seed=11),
@@ -46,6 +48,13 @@ def pytest_collection_modifyitems(config, items):
     first = [item for item in items if item.path.name == "test_multinode.py"]
     if first:
         items[:] = first + [item for item in items if item.path.name != "test_multinode.py"]
+
+
+def serve_config_controller_options() -> dict:
+    """serve_config.yaml's `controller_options`: the test app's proxy runs the same
+    middleware as `serve run serve_config.yaml`."""
+    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    return config["controller_options"]
 
 
 def free_port() -> int:
@@ -159,7 +168,10 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
     }
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port},
+        controller_options=serve_config_controller_options(),
+    )
     serve.run(build_app(config), name="loraplex", route_prefix="/")
     yield ServeSetup(f"http://127.0.0.1:{port}", base, shared, adapter_root)
     serve.shutdown()

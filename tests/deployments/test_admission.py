@@ -70,6 +70,17 @@ def test_the_wait_is_the_queue_ahead_over_the_departure_rate():
     assert control.refused == 2 and control.in_flight == 4
 
 
+def test_the_refusal_window_is_how_long_a_one_sequence_request_would_be_refused():
+    control = measured(max_wait_s=5.0)
+    for name in "abcd":
+        assert control.admit(name, 1) is None
+    # 4 in flight, batch 2: one more sequence waits 3 / 0.5 = 6 s, 1 s past the limit.
+    assert control.refusing_for_s() == pytest.approx(1.0)
+    control.finish("a")
+    assert control.refusing_for_s() == 0.0
+    assert measured(max_wait_s=None).refusing_for_s() == 0.0
+
+
 def test_under_fair_share_a_light_tenant_is_not_refused_for_a_heavy_queue():
     control = measured(max_wait_s=5.0, fair=True)
     for i in range(4):

@@ -1,16 +1,20 @@
 """The README's quick start, for real: `serve run serve_config.yaml` from the repository
-root starts the platform on the embedded default model; the demo tenant chats with it
+root starts the platform on the embedded default model; a completion sent the moment
+the port accepts a connection gets its answer; the demo tenant chats with it
 (base and a demo adapter) through the `openai` SDK; Ctrl-C stops it cleanly, even when
 the parent ignores SIGINT (a background job of a non-interactive shell, some CI runners):
 the child gets the default dispositions back (`default_stop_signals`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -31,6 +35,29 @@ def _healthy() -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def _port_open() -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex(("127.0.0.1", 8000)) == 0
+
+
+def _first_completion(timeout_s: float) -> tuple[int, str]:
+    """A completion sent the moment the port accepts a connection: before the app's
+    routes exist and through the model's cold start, it must wait for its answer
+    (proxy_middleware.py), not get Serve's 404 or a 503."""
+    body = {"model": MODEL, "prompt": "Hello, my name is", "max_tokens": 4}
+    request = urllib.request.Request(
+        f"{URL}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {DEMO_KEY}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
 
 
 @pytest.mark.slow
@@ -55,6 +82,13 @@ def test_serve_run_serve_config_answers_chat_and_stops_cleanly(tmp_path):
         signal.signal(signal.SIGINT, inherited)
     try:
         deadline = time.monotonic() + 420
+        while not _port_open():
+            assert process.poll() is None, (tmp_path / "serve-run.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "nothing listened on 127.0.0.1:8000"
+            time.sleep(0.1)
+        status, body = _first_completion(timeout_s=deadline - time.monotonic())
+        assert status == 200, body
+        assert json.loads(body)["choices"][0]["text"], body
         while not _healthy():
             assert process.poll() is None, (tmp_path / "serve-run.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "serve run did not become ready"

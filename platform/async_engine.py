@@ -47,6 +47,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
+from loraplex.platform.thread_names import COMPUTE_THREAD_NAME, name_this_thread
 from loraplex.platform.tokenizer import apply_chat_template, encode_text, tool_call_format
 
 logger = logging.getLogger(__name__)
@@ -451,6 +452,7 @@ class AsyncEngine:
     def _run(
         self, make: Callable[[], LLMEngine], built: threading.Event, failure: list[BaseException]
     ) -> None:
+        name_this_thread(COMPUTE_THREAD_NAME)  # before the first parallel region
         try:
             self.engine = make()
             self.engine.enter_compute_thread()

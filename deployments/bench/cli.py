@@ -14,10 +14,18 @@ import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.deployments.bench import report
 from loraplex.deployments.bench.client import ClientOptions, RequestRecord, run_burst
+from loraplex.deployments.bench.cpu_breakdown import (
+    CpuBreakdown,
+    ThreadTime,
+    parse_pids,
+    process_name,
+    read_threads,
+)
 from loraplex.deployments.bench.offline import OfflineResult, OfflineSpec, run_in_subprocess
 from loraplex.deployments.bench.serve_config import BenchServeConfig
 from loraplex.deployments.bench.server import ServeApp
@@ -29,6 +37,7 @@ from loraplex.deployments.bench.workload import (
     model_names,
     parse_popularity,
 )
+from loraplex.platform.thread_names import COMPUTE_THREAD_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +138,20 @@ def add_parser(bench_kinds: argparse._SubParsersAction) -> None:
         "as --serve-config's model, separate process) and print served/offline",
     )
     p.add_argument(
+        "--cpu-breakdown",
+        default=None,
+        metavar="PIDS",
+        help="after each burst, CPU-us per output token spent outside the engine's compute "
+        "threads, per process, read from /proc: comma-separated PIDs of the server's "
+        "processes, or 'auto' for this machine's Ray processes (Linux)",
+    )
+    p.add_argument(
+        "--compute-threads",
+        default=COMPUTE_THREAD_NAME,
+        help="OS thread-name prefix of the server's compute threads (loraplex names its "
+        "engine's step thread and its OpenMP workers so)",
+    )
+    p.add_argument(
         "--output-dir", type=Path, default=None, help="write bench_serve.json and .png here"
     )
     p.set_defaults(handler=run_bench_serve)
@@ -209,6 +232,29 @@ def _counters(args: argparse.Namespace) -> ServerCounters | None:
     return settled_counters(args.url, args.metrics_key or args.api_key)
 
 
+@dataclass(frozen=True)
+class _CpuWatch:
+    """The server processes' threads at a burst's start (--cpu-breakdown)."""
+
+    pids: tuple[int, ...]
+    names: dict[int, str]
+    before: dict[tuple[int, int], ThreadTime]
+    compute_prefix: str
+
+    @classmethod
+    def start(cls, args: argparse.Namespace) -> _CpuWatch | None:
+        if args.cpu_breakdown is None:
+            return None
+        pids = tuple(parse_pids(args.cpu_breakdown))
+        names = {pid: process_name(pid) for pid in pids}
+        return cls(pids, names, read_threads(pids), args.compute_threads)
+
+    def lines(self, output_tokens: int) -> list[str]:
+        after = read_threads(self.pids)
+        breakdown = CpuBreakdown.between(self.before, after, self.names, self.compute_prefix)
+        return breakdown.lines(output_tokens)
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="loraplex-bench-serve-") as tmp:
         config = None
@@ -265,14 +311,16 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         summaries, records = [], []
         for label, requests in bursts:
             before = _counters(args)
+            cpu = _CpuWatch.start(args)
             burst: list[RequestRecord] = asyncio.run(run_burst(requests, options, label))
             summary = report.summarize(label, burst)
+            cpu_lines = cpu.lines(summary.output_tokens) if cpu is not None else []
             after = _counters(args)
             if before is not None and after is not None:
                 summary = dataclasses.replace(summary, server=after.minus(before))
             summaries.append(summary)
             records.append(burst)
-            sys.stdout.write("\n".join(summaries[-1].lines()) + "\n")
+            sys.stdout.write("\n".join([*summaries[-1].lines(), *cpu_lines]) + "\n")
             sys.stdout.flush()
         stack.close()
         offline = None

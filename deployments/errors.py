@@ -37,23 +37,28 @@ class OpenAIError(Exception):
         refusing_for_s: float = 0.0,
     ) -> None:
         super().__init__(message)
-        self.refusing_for_s = refusing_for_s
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.refusing_for_s = refusing_for_s
+
+
+def error_body(status: int, message: str, param: str | None, code: str | None) -> dict:
+    """OpenAI's error JSON for `status` (the ingress's answers and the HTTP proxy's,
+    proxy_middleware.py)."""
+    error = {
+        "message": message,
+        "type": ERROR_TYPES.get(status, "server_error"),
+        "param": param,
+        "code": code,
+    }
+    return {"error": error}
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    body = {
-        "error": {
-            "message": error.message,
-            "type": ERROR_TYPES.get(error.status, "server_error"),
-            "param": error.param,
-            "code": error.code,
-        }
-    }
+    body = error_body(error.status, error.message, error.param, error.code)
     headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s else {}
     if error.refusing_for_s > 0:
         headers[REFUSING_FOR_HEADER] = str(round(error.refusing_for_s * 1e3))

@@ -45,7 +45,7 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
-from loraplex.deployments.errors import ERROR_TYPES, MAX_BODY_BYTES, REFUSING_FOR_HEADER
+from loraplex.deployments.errors import MAX_BODY_BYTES, REFUSING_FOR_HEADER, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -85,17 +85,6 @@ class HoldConfig:
         return cls(hold_s=max(0.0, hold_s))
 
 
-def openai_error_body(status: int, message: str, code: str | None) -> bytes:
-    """Semantics: OpenAI's error JSON for `status`, the same shape the ingress answers."""
-    error = {
-        "message": message,
-        "type": ERROR_TYPES.get(status, "server_error"),
-        "param": None,
-        "code": code,
-    }
-    return json.dumps({"error": error}).encode()
-
-
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     for key, value in headers:
         if key.lower() == name:
@@ -129,10 +118,10 @@ class RefusalWindows:
         windows = self._until.get(key)
         if not windows:
             return 0.0
-        remaining = windows.get(model, 0.0) - self._clock()
+        now = self._clock()
+        remaining = windows.get(model, 0.0) - now
         if remaining > 0:
             return remaining
-        now = self._clock()
         for name in [name for name, until in windows.items() if until <= now]:
             del windows[name]
         if not windows:
@@ -210,7 +199,7 @@ async def _send_json_error(
     code: str | None,
     extra_headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> None:
-    body = openai_error_body(status, message, code)
+    body = json.dumps(error_body(status, message, None, code)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -3,7 +3,7 @@
 
 An engine's compute threads are the thread that steps it and the OpenMP workers that
 thread's parallel regions start. loraplex names its step thread `COMPUTE_THREAD_NAME`
-(platform/compute_threads.py) before its first parallel region, and Linux gives a new
+(platform/thread_names.py) before its first parallel region, and Linux gives a new
 thread its creator's name, so the workers carry it too. Every other thread's CPU (the
 HTTP proxy, the ingress, Serve's and Ray's threads in the replica, Ray's daemons) is
 the serving cost. Any server can be measured: give its PIDs, and `--compute-threads`

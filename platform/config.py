@@ -62,7 +62,9 @@ class ModelConfig:
     `max_position_embeddings`. `num_threads` is torch's intra-op thread count on a CPU;
     None means every core this process may run on. (Ray sets OMP_NUM_THREADS to an
     actor's whole CPUs, 1 for a replica reserving 0.5: left alone, a served engine
-    would compute on one core while the offline one uses all.)
+    would compute on one core while the offline one uses all.) On a GPU, decode steps
+    replay CUDA graphs captured when the engine starts (platform/decode_graphs.py);
+    `enforce_eager` runs every step eagerly instead.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -71,6 +73,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, torch.dtype) and self.dtype != AUTO_DTYPE:

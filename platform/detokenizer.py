@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 
 from loraplex.platform.request import SamplingParams
+from loraplex.platform.tokenizer import text_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: object, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = text_decoder(tokenizer)
         self._skip_special = params.skip_special_tokens
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
@@ -75,9 +76,7 @@ class IncrementalDetokenizer:
         self.finished_by_stop: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
-        )
+        return self._decode_ids(ids, self._skip_special)
 
     def append(self, new_token_ids: list[int]) -> str:
         """Adds generated ids; returns the text newly released to `text` (maybe "").

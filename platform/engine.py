@@ -25,6 +25,7 @@ from loraplex.platform.ceiling import resolve_auto_dtype
 from loraplex.platform.compute_threads import default_compute_threads, use_compute_threads
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.cpu_allocator import keep_freed_memory, release_freed_memory
+from loraplex.platform.decode_graphs import BUCKETS, DecodeGraphs, graph_memory_estimate
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.guided import GrammarCompiler, GuidedSpec
 from loraplex.platform.kv_cache import allocate_kv_caches, plan_num_blocks
@@ -67,6 +68,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, kv_caches, cache.block_size, self.device, lora_slots, self.workers
         )
+        self._capture_graphs(model, kv_caches)
         self.restarts = 0
         self._grammars: GrammarCompiler | None = None
         self._log_ready(time.monotonic() - started, lora_slots)
@@ -103,7 +105,13 @@ class LLMEngine:
         tp_size = config.parallel.tensor_parallel_size
         layout = TPLayout.create(arch, 0, tp_size)
         num_blocks = plan_num_blocks(
-            cache, arch, config.model.dtype, self.device, self.max_model_len, layout.num_kv_heads
+            cache,
+            arch,
+            config.model.dtype,
+            self.device,
+            self.max_model_len,
+            layout.num_kv_heads,
+            reserved_bytes=self._graph_reserve_bytes(),
         )
         self.workers: TPWorkers | None = None
         if tp_size > 1:
@@ -121,6 +129,49 @@ class LLMEngine:
         )
         self.num_blocks = num_blocks
         return model, kv_caches
+
+    def _uses_graphs(self) -> bool:
+        """CUDA graphs for decode steps: on a GPU with the Triton kernels (the torch
+        path's attention reads lengths back to the host), one rank, unless
+        `enforce_eager`."""
+        return (
+            self.device.type == "cuda"
+            and self.kernel_backend == "triton"
+            and not self.config.model.enforce_eager
+            and self.config.parallel.tensor_parallel_size == 1
+        )
+
+    def _graph_reserve_bytes(self) -> int:
+        """What the decode graphs' memory pool may take, kept out of the KV budget."""
+        if not self._uses_graphs():
+            return 0
+        arch = self.arch
+        return graph_memory_estimate(
+            arch.hidden_size,
+            arch.intermediate_size,
+            arch.vocab_size,
+            self.config.model.dtype,
+            min(self.config.scheduler.max_num_seqs, BUCKETS[-1]),
+        )
+
+    def _capture_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> None:
+        """Captures the decode graphs (see `_uses_graphs`) before the first step."""
+        model.rotary.cover(self.max_model_len)
+        self.graph_pool_bytes = 0
+        if not self._uses_graphs():
+            return
+        graphs = DecodeGraphs(
+            model,
+            kv_caches,
+            self.config.cache.block_size,
+            self.max_model_len,
+            min(self.config.scheduler.max_num_seqs, BUCKETS[-1]),
+            self.config.lora.max_loras,
+            self.kernel_backend,
+        )
+        graphs.capture()
+        self.graph_pool_bytes = graphs.pool_bytes
+        self.runner.graphs = graphs
 
     def _set_up_adapters(self, model: torch.nn.Module) -> LoRASlots | None:
         """The adapter store and the device slots, or None for both with LoRA off."""

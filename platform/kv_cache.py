@@ -57,17 +57,20 @@ def plan_num_blocks(
     device: torch.device,
     max_model_len: int,
     num_kv_heads: int | None = None,
+    reserved_bytes: int = 0,
 ) -> int:
     """Number of KV blocks the memory budget buys (per rank: with `num_kv_heads` of the
-    model's kv heads); fails if one max_model_len sequence would not fit, naming the
-    numbers."""
+    model's kv heads); a budget given as a fraction of the device first leaves out
+    `reserved_bytes` (the decode graphs' memory pool), one given in bytes is the KV
+    cache's alone. Fails if one max_model_len sequence would not fit,
+    naming the numbers."""
     bytes_per_block = arch.kv_bytes_per_token(dtype, num_kv_heads) * cache.block_size
     if cache.num_blocks_override is not None:
         num_blocks = cache.num_blocks_override
         budget = num_blocks * bytes_per_block
     else:
-        budget = cache.kv_cache_memory_bytes or int(
-            cache.kv_cache_memory_fraction * device_memory_bytes(device)
+        budget = cache.kv_cache_memory_bytes or max(
+            0, int(cache.kv_cache_memory_fraction * device_memory_bytes(device)) - reserved_bytes
         )
         num_blocks = budget // bytes_per_block
     needed = -(-max_model_len // cache.block_size)

@@ -30,6 +30,10 @@ prepares steps and samples; it hands each step's inputs (with the block copies a
 adapter slot writes it made while preparing) to the other ranks before running it, and
 the collectives inside the model keep the ranks together (parallel/workers.py).
 
+On a GPU with CUDA graphs captured (platform/decode_graphs.py, one rank only), a step
+of decodes alone (no prefill chunk, no drafts, no prompt rows) skips the eager forward:
+its inputs go into the graphs' static buffers and the bucket's graph replays.
+
     rank 0: execute(output)                      rank r > 0: worker loop
       prepare_inputs -> StepInputs (slots written)
       workers.send(inputs) ----------------------> write_slots(inputs.slot_writes)
@@ -51,6 +55,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora import LoRABatch
+from loraplex.platform.decode_graphs import DecodeGraphs, DecodeStep
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.guided import GuidedState
 from loraplex.platform.kv_cache import copy_blocks
@@ -168,12 +173,16 @@ class ModelRunner:
         self.device = device
         self.lora_slots = lora_slots
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        """Captured decode forwards (None: every step runs eagerly)."""
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
         """Rank 0 runs one step (with the other ranks, if any): the sampled token of every
         sampling request, or why it failed. AdapterActivationError when an adapter
         cannot take a slot: then only the step's block copies were made."""
+        if self.graphs is not None and self._graphable(output):
+            return self._execute_graph(output)
         try:
             step = self.prepare_inputs(output)
         except AdapterActivationError:
@@ -188,6 +197,70 @@ class ModelRunner:
         if logits.prompt is not None:
             _book_prompt_scores(result, logits.prompt, step.prompt_owners)
         return result
+
+    def _graphable(self, output: SchedulerOutput) -> bool:
+        """Whether a captured graph runs this step: decodes alone, no more than the
+        largest bucket, none scoring a prompt position."""
+        scheduled = output.scheduled
+        if not scheduled or len(scheduled) > self.graphs.max_batch:
+            return False
+        for item in scheduled:
+            if item.num_query_tokens != 1 or item.draft_token_ids:
+                return False
+            request = item.request
+            if positions_to_score(request, request.num_computed_tokens, item.num_tokens):
+                return False
+            if len(item.block_ids) > self.graphs.max_blocks:
+                return False
+        return True
+
+    def _execute_graph(self, output: SchedulerOutput) -> StepResult:
+        """`execute` for a step `_graphable` accepted: the block copies, the bucket's
+        graph, then sampling as on the eager path."""
+        try:
+            slot_of = self._slots(output)
+        except AdapterActivationError:
+            copy_blocks(self.kv_caches, output.block_copies)
+            raise
+        if self.lora_slots is not None:
+            self.lora_slots.take_loads()  # one rank: the writes are already in the slots
+
+        def slot(item: ScheduledRequest) -> int:
+            key = item.request.adapter_key
+            return -1 if key is None else slot_of[key]
+
+        decodes = sorted(output.scheduled, key=slot)
+        size = self.block_size
+        token_ids, positions, cache_slots, lens = [], [], [], []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        for row, item in enumerate(decodes):
+            request = item.request
+            position = request.num_computed_tokens
+            token_ids.append(request.all_token_ids[position])
+            positions.append(position)
+            cache_slots.append(item.block_ids[position // size] * size + position % size)
+            lens.append(position + 1)
+            if item.samples:
+                for member in [request, *output.forks.get(request.request_id, ())]:
+                    sample_rows.append(row)
+                    sample_requests.append(member)
+        step = DecodeStep(
+            token_ids=token_ids,
+            positions=positions,
+            cache_slots=cache_slots,
+            context_lens=lens,
+            block_tables=[item.block_ids for item in decodes],
+            adapter_slots=[slot(item) for item in decodes] if slot_of else None,
+        )
+        copy_blocks(self.kv_caches, output.block_copies)
+        logits = self.graphs.run(step)
+        if not sample_rows:
+            return StepResult()
+        if sample_rows != list(range(len(decodes))):
+            index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            logits = logits.index_select(0, index)
+        return self.sample(logits, sample_requests)
 
     def _lead(self, inputs: StepInputs) -> StepLogits:
         """Rank 0: hands `inputs` to the other ranks, then runs them (see `run`)."""

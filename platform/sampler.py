@@ -365,8 +365,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.fast_greedy:
             best, tokens = logits.max(dim=-1)
-            output = SamplerOutput(tokens.tolist(), [None] * batch.num_rows)
-            return output.mark_invalid(non_finite_rows(best))
+            # One copy to the host for the tokens and the finite flags together.
+            host = torch.stack((tokens, torch.isfinite(best).to(torch.int64))).tolist()
+            output = SamplerOutput(host[0], [None] * batch.num_rows)
+            invalid = [row for row, finite in enumerate(host[1]) if not finite]
+            return output.mark_invalid(invalid)
         if logits.dtype != torch.float32:
             logits = logits.float()
         invalid = non_finite_rows(logits.amax(dim=-1))

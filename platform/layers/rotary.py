@@ -46,7 +46,10 @@ class RotaryEmbedding(nn.Module):
     """Caches cos/sin per position in fp32; the model looks them up once per step.
 
     The cache covers min(max_positions, 8192) positions at first and grows when a
-    step asks for a later position (e.g. max_model_len above the model's limit).
+    step asks for a later position (e.g. max_model_len above the model's limit). Once
+    the engine has called `cover(max_model_len)`, no step asks for a position past the
+    cache, and `cos_sin` stops checking (the check reads the positions back to the host:
+    a device sync per step on a GPU, and not allowed inside a CUDA graph capture).
 
     Semantics: for x [T, heads, Dh] with halves x1 = x[..., :Dh/2], x2 = x[..., Dh/2:]
     and angles a = position * inv_freq [T, Dh/2]:
@@ -63,7 +66,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = compute_inv_freq(head_dim, rope).to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._covered = False
         self._build(min(max_positions, _INITIAL_POSITIONS))
+
+    def cover(self, num_positions: int) -> None:
+        """Caches positions 0 .. num_positions - 1 now; the caller promises that no later
+        step asks for a position past them."""
+        if num_positions > self.cos_cache.shape[0]:
+            self._build(num_positions)
+        self._covered = True
 
     def _build(self, num_positions: int) -> None:
         positions = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
@@ -75,7 +86,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, 1, Dh/2] in `dtype`, broadcastable over heads."""
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+        if (
+            not self._covered
+            and positions.numel()
+            and int(positions.max()) >= self.cos_cache.shape[0]
+        ):
             self._build(2 * int(positions.max()) + 1)
         cos = self.cos_cache.index_select(0, positions).to(dtype)
         sin = self.sin_cache.index_select(0, positions).to(dtype)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine (the device tool), in one call: the engine's GPU tests, then
+# scripts/bench_gpu_engine.py on the code before a change and after it, then their ratios.
+#
+#   .baseline/  an export of the code before (git archive REV _loraplex platform kernels
+#               adapters deployments | tar -x -C .baseline), carried with the call
+#   $OUT        where the logs and JSON figures go (the device tool brings them back)
+#
+# Each side imports loraplex through a shim folder on PYTHONPATH (loraplex -> its
+# _loraplex/), so nothing is installed on the machine. Runs the machine's own python3.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT" /tmp/shim-before /tmp/shim-after
+ln -sfn "$PWD/_loraplex" /tmp/shim-after/loraplex
+ln -sfn "$PWD/.baseline/_loraplex" /tmp/shim-before/loraplex
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+python3 -c 'import torch, triton, transformers, peft; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
+
+echo "== tests on CUDA"
+PYTHONPATH=/tmp/shim-after timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider \
+    -n 0 -q -x ${TESTS:-tests/platform/test_decode_graphs.py tests/platform/test_triton_path.py} \
+    >"$OUT/tests.log" 2>&1
+echo "tests exit $?"; tail -n 25 "$OUT/tests.log"
+
+for side in ${SIDES:-before after}; do
+    echo "== bench: $side"
+    extra=()
+    [ "$side" = after ] && extra=(--profile "$OUT/profile.txt")
+    PYTHONPATH=/tmp/shim-$side timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_gpu_engine.py \
+        --output "$OUT/$side.json" "${extra[@]}" ${BENCH_ARGS:-} >"$OUT/$side.log" 2>&1
+    echo "bench $side exit $?"; grep -v "adapters\.\(store\|slots\|peft_format\)" "$OUT/$side.log" | tail -n 12
+done
+[ -f "$OUT/before.json" ] && [ -f "$OUT/after.json" ] &&
+    PYTHONPATH=/tmp/shim-after python3 scripts/bench_gpu_engine.py --compare "$OUT/before.json" "$OUT/after.json" 2>&1 | tail -n 20

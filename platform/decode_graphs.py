@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora import LoRABatch
@@ -58,6 +58,12 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 _IDS, _POSITIONS, _SLOTS, _LENS, _ADAPTERS = range(5)
 _PADDING = (0, 0, -1, 1, -1)
 """Row values of a padding decode (see the module docstring)."""
+
+
+DecodeForward = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata, LoRABatch | None], torch.Tensor
+]
+"""(token ids [B], positions [B], attention metadata, LoRA batch) -> logits [B, V]."""
 
 
 @dataclass(frozen=True)
@@ -102,20 +108,20 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: nn.Module,
-        kv_caches: list[torch.Tensor],
+        decode_logits: DecodeForward,
+        device: torch.device,
         block_size: int,
         max_model_len: int,
         max_batch: int,
         max_loras: int,
         kernels: str,
     ) -> None:
-        """`max_loras`: the engine's adapter slots (0: LoRA off, no LoRA graphs);
+        """`decode_logits`: the runner's decode forward (`ModelRunner.decode_logits`);
+        `max_loras`: the engine's adapter slots (0: LoRA off, no LoRA graphs);
         `kernels`: the kernel backend's name (segment tables on 'triton' only)."""
-        self.model = model
-        self.kv_caches = kv_caches
+        self.decode_logits = decode_logits
         self.block_size = block_size
-        self.device = kv_caches[0].device
+        self.device = device
         self.buckets = buckets_up_to(max_batch)
         self.with_lora = max_loras > 0
         self.max_loras = max_loras
@@ -177,10 +183,7 @@ class DecodeGraphs:
             prefill_block_tables=self._tables[:0],
         )
         lora_batch = self._lora_batch(batch) if lora else None
-        hidden = self.model(
-            rows[_IDS, :batch], rows[_POSITIONS, :batch], self.kv_caches, meta, lora_batch
-        )
-        return self.model.compute_logits(hidden)
+        return self.decode_logits(rows[_IDS, :batch], rows[_POSITIONS, :batch], meta, lora_batch)
 
     def _uses_segments(self, batch: int) -> bool:
         """SGMV over the segment table for this bucket (else BGMV per token)."""

@@ -68,7 +68,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, kv_caches, cache.block_size, self.device, lora_slots, self.workers
         )
-        self._capture_graphs(model, kv_caches)
+        self._capture_graphs(model)
         self.restarts = 0
         self._grammars: GrammarCompiler | None = None
         self._log_ready(time.monotonic() - started, lora_slots)
@@ -154,15 +154,15 @@ class LLMEngine:
             min(self.config.scheduler.max_num_seqs, BUCKETS[-1]),
         )
 
-    def _capture_graphs(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    def _capture_graphs(self, model: torch.nn.Module) -> None:
         """Captures the decode graphs (see `_uses_graphs`) before the first step."""
         model.rotary.cover(self.max_model_len)
         self.graph_pool_bytes = 0
         if not self._uses_graphs():
             return
         graphs = DecodeGraphs(
-            model,
-            kv_caches,
+            self.runner.decode_logits,
+            self.device,
             self.config.cache.block_size,
             self.max_model_len,
             min(self.config.scheduler.max_num_seqs, BUCKETS[-1]),

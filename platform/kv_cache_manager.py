@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 
 from loraplex.platform.block_pool import Block, BlockPool
 from loraplex.platform.request import Request
@@ -69,9 +70,10 @@ class KVCacheManager:
             hashes.append(hash_block(parent, chunk, request.adapter_key))
         return hashes
 
-    def find_cached_prefix(self, request: Request) -> list[Block]:
+    def find_cached_prefix(self, request: Request, count: bool = True) -> list[Block]:
         """Longest run of cached full blocks matching the request's tokens. At least one
-        token is always left to compute, so the model yields logits for sampling."""
+        token is always left to compute, so the model yields logits for sampling.
+        `count=False` leaves the prefix-hit counters alone (a look, not an admission)."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -81,22 +83,22 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
+        if count:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(hits) * self.block_size
         return hits
 
     def allocate(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> bool:
         """Makes room for `num_new_tokens` more tokens after the `cached` prefix blocks
         (given only when the request is admitted). Returns False, changing nothing, when
         the pool is short."""
+        if not self.can_allocate(request, num_new_tokens, cached):
+            return False
         table = self._tables.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
         total = num_computed + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(table) - len(cached)
         cow = self._needs_copy_on_write(table, num_computed)
-        room_needed = max(num_new_blocks, 0) + cow + self.pool.num_evictable_among(cached)
-        if room_needed > self.pool.num_free:
-            return False
         if cached:
             self.pool.acquire(cached)
             table = table + list(cached)
@@ -107,6 +109,18 @@ class KVCacheManager:
         self._tables[request.request_id] = table
         self._publish_full_blocks(request, table, num_computed, total)
         return True
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, cached: Sequence[Block] = ()
+    ) -> bool:
+        """Whether `allocate` with these arguments would succeed now."""
+        table = self._tables.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(cached) * self.block_size
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(table)
+        num_new_blocks -= len(cached)
+        cow = self._needs_copy_on_write(table, num_computed)
+        room_needed = max(num_new_blocks, 0) + cow + self.pool.num_evictable_among(cached)
+        return room_needed <= self.pool.num_free
 
     def _needs_copy_on_write(self, table: list[Block], num_computed: int) -> bool:
         """A shared, partly filled last block must be copied before this request writes."""

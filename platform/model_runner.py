@@ -287,6 +287,18 @@ class ModelRunner:
             prompt = score_rows(self.model.compute_logits, hidden, inputs.prompt_rows)
         return StepLogits(sample, prompt)
 
+    def decode_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRABatch | None,
+    ) -> torch.Tensor:
+        """The forward of a step of decodes only, every token sampling: float32 logits
+        [D, vocab] (what a decode graph captures; platform/decode_graphs.py)."""
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
+        return self.model.compute_logits(hidden)
+
     def write_slots(self, writes: Sequence[tuple[int, LoRAAdapter]]) -> None:
         """Writes each (slot, adapter) into this rank's LoRA slots: a worker's share of
         the slot writes rank 0 made in `prepare_inputs` (`StepInputs.slot_writes`)."""

@@ -217,6 +217,12 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
+                # A lower-ranked decode scheduled earlier in this loop can be the victim
+                # of a prefill chunk after it: it leaves the step and gives back its tokens.
+                for index, item in enumerate(scheduled):
+                    if item.request is victim:
+                        budget += scheduled.pop(index).num_tokens
+                        break
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -311,7 +317,8 @@ class Scheduler:
         """Under `fair`, as many as there are free places: the slot gate if it finds a
         slot, then the head request of each other waiting tenant that has no prompt
         being computed (no running request with prompt tokens left) and no claimant,
-        lowest counter first, passing over a head that may not start (`_finds_slot`).
+        lowest counter first, passing over a head that may not start (`_finds_slot`)
+        or whose first chunk's KV blocks are not free now (`_fits_now`).
         They start this step ahead of running requests' prefill chunks: each tenant
         gets one prompt under way before another tenant's long prompt takes the whole
         step."""
@@ -321,7 +328,7 @@ class Scheduler:
         adapters = self.running_adapters() | _adapter_keys(claimants)
         gate = None if any(r is self.slot_gate for r in claimants) else self.slot_gate
         picked: list[Request] = []
-        if gate is not None and self._finds_slot(gate, adapters, gate):
+        if gate is not None and self._finds_slot(gate, adapters, gate) and self._fits_now(gate):
             picked.append(gate)
             gate = None
         busy = {r.tenant for r in self.running if r.num_uncomputed_tokens > 1}
@@ -335,9 +342,22 @@ class Scheduler:
         ):
             if len(picked) >= free:
                 break
-            if self._finds_slot(heads[tenant], adapters | _adapter_keys(picked), gate):
-                picked.append(heads[tenant])
+            head = heads[tenant]
+            if self._finds_slot(head, adapters | _adapter_keys(picked), gate) and self._fits_now(
+                head
+            ):
+                picked.append(head)
         return picked
+
+    def _fits_now(self, request: Request) -> bool:
+        """Whether the KV cache has the blocks for a waiting request's first chunk now. A
+        head that does not fit is not given the step's budget ahead of running prefill
+        chunks: those may be what must finish (and free their blocks) before it fits."""
+        cached = self.kv_cache.find_cached_prefix(request, count=False)
+        num_new = request.num_tokens - len(cached) * self.kv_cache.block_size
+        if self.config.enable_chunked_prefill:
+            num_new = min(num_new, self.config.max_num_batched_tokens)
+        return self.kv_cache.can_allocate(request, num_new, cached)
 
     def _admit_waiting(
         self, scheduled: list[ScheduledRequest], budget: int, first: Sequence[Request] = ()

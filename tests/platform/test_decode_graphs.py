@@ -106,8 +106,8 @@ def build(base, folders, mode: dict) -> LLM:
     else:
         assert engine.runner.graphs is None, "graphs are for CUDA only"
         engine.runner.graphs = CountingGraphs(
-            engine.runner.model,
-            engine.runner.kv_caches,
+            engine.runner.decode_logits,
+            engine.device,
             engine.config.cache.block_size,
             engine.max_model_len,
             max_batch=8,

@@ -115,10 +115,16 @@ def build_parser(
         "alternating, and print each guided run's cost per output token",
     )
     offline.add_argument(
+        "--host-overhead",
+        action="store_true",
+        help="instead: per-step host time outside the kernels (CPU), at batch 1 and at "
+        "--num-requests (default 64), in us per step and per layer",
+    )
+    offline.add_argument(
         "--rounds",
         type=int,
         default=None,
-        help="--speculative / --guided: alternating rounds (default 2 / 3)",
+        help="--speculative / --guided / --host-overhead: alternating rounds (default 2 / 3 / 3)",
     )
     offline.set_defaults(handler=run_bench_offline)
     for add_command in bench_commands:
@@ -182,6 +188,8 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         return run_spec_bench(args, engine_options)
     if args.guided:
         return run_guided_bench(args, engine_options)
+    if args.host_overhead:
+        return run_host_overhead_bench(args, engine_options)
     report = bench.run_offline_bench(
         model=args.model,
         dtype=args.dtype,
@@ -198,6 +206,23 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         ceiling=args.ceiling,
     )
     sys.stdout.write(bench.format_report(report))
+    return 0
+
+
+def run_host_overhead_bench(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
+    from loraplex.platform import host_bench
+
+    report = host_bench.run_host_bench(
+        model=args.model,
+        dtype=args.dtype,
+        batches=(1, args.num_requests or 64),
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        rounds=args.rounds or 3,
+        seed=args.seed,
+        engine_options=engine_options,
+    )
+    sys.stdout.write(host_bench.format_host_report(report))
     return 0
 
 

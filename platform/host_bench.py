@@ -9,13 +9,15 @@ tokens (greedy, EOS ignored), after one warm-up run, `rounds` times:
               norms, the native CPU ops, sampling, copies), with the profiler on: the
               summed CPU time of every operator called from Python (one not called
               inside another operator)
-    host      step - kernels: Python in the scheduler, the runner's input building,
-              the model's modules between operators, sampling's bookkeeping and the
-              output processing
+    host      the profiled run's wall time per step - kernels: Python in the
+              scheduler, the runner's input building, the model's modules between
+              operators, sampling's bookkeeping and the output processing
 
-Each figure is the median over the rounds. The profiler's own cost per operator falls
-inside the operators' times, so `host` is if anything understated. On a GPU the
-kernels run asynchronously and these figures mean nothing: it refuses to run there.
+Each figure is the median over the rounds. Host and kernel time come from the same
+run: taken from two runs, their difference drowns in a VM's drift between runs. The
+profiler's cost per operator falls partly outside the operators, so `host` includes
+a little of it. On a GPU the kernels run asynchronously and these figures mean
+nothing: it refuses to run there.
 """
 
 from __future__ import annotations
@@ -46,11 +48,8 @@ class HostOverhead:
     steps: int
     step_us: float
     kernel_us: float
+    host_us: float
     num_layers: int
-
-    @property
-    def host_us(self) -> float:
-        return self.step_us - self.kernel_us
 
     @property
     def host_us_per_layer(self) -> float:
@@ -83,35 +82,39 @@ def _run(llm, prompts: list[list[int]], output_len: int) -> int:
     return steps
 
 
-def operator_seconds(run) -> tuple[int, float]:
-    """Runs `run()` (returning a step count) under torch's CPU profiler: (steps, seconds
-    inside operators called from Python)."""
+def operator_seconds(run) -> tuple[int, float, float]:
+    """Runs `run()` (returning a step count) under torch's CPU profiler: (steps, its
+    wall seconds, seconds inside operators called from Python)."""
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        started = time.perf_counter()
         steps = run()
+        wall = time.perf_counter() - started
     total_us = sum(
         event.cpu_time_total
         for event in profiler.events()
         if event.cpu_parent is None and not event.is_user_annotation
     )
-    return steps, total_us / 1e6
+    return steps, wall, total_us / 1e6
 
 
 def measure(llm, prompts: list[list[int]], output_len: int, rounds: int) -> HostOverhead:
     """`rounds` timed runs and `rounds` profiled runs of `prompts`, alternating."""
     _run(llm, prompts, output_len)
-    step_s, kernel_s = [], []
+    step_s, kernel_s, host_s = [], [], []
     steps = 0
     for _ in range(rounds):
         started = time.perf_counter()
         steps = _run(llm, prompts, output_len)
         step_s.append((time.perf_counter() - started) / steps)
-        profiled_steps, seconds = operator_seconds(lambda: _run(llm, prompts, output_len))
-        kernel_s.append(seconds / profiled_steps)
+        profiled_steps, wall, inside = operator_seconds(lambda: _run(llm, prompts, output_len))
+        kernel_s.append(inside / profiled_steps)
+        host_s.append((wall - inside) / profiled_steps)
     return HostOverhead(
         batch=len(prompts),
         steps=steps,
         step_us=statistics.median(step_s) * 1e6,
         kernel_us=statistics.median(kernel_s) * 1e6,
+        host_us=statistics.median(host_s) * 1e6,
         num_layers=llm.engine.arch.num_layers,
     )
 

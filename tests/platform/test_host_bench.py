@@ -23,7 +23,7 @@ def test_host_bench_on_a_tiny_model(tiny_model_factory):
     assert [row.batch for row in report.rows] == [1, 4]
     for row in report.rows:
         assert row.steps == 5, "one prefill step, then a decode step per further token"
-        assert 0 < row.kernel_us < row.step_us
+        assert row.kernel_us > 0 and row.host_us > 0
         assert row.host_us_per_layer == row.host_us / row.num_layers
     text = format_host_report(report)
     assert "| 4 | 5 |" in text
@@ -43,6 +43,7 @@ def test_operator_seconds_counts_python_calls_not_nested_ones():
         wall.append(time.perf_counter() - started)
         return 1
 
-    steps, seconds = operator_seconds(run)
+    steps, profiled_wall, seconds = operator_seconds(run)
     assert steps == 1
+    assert profiled_wall >= wall[0]
     assert 0 < seconds < wall[0] - 0.1

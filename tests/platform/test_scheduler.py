@@ -261,30 +261,18 @@ operation = st.one_of(
 )
 
 
+TIGHT = dict(num_blocks=6, max_num_seqs=2, budget=4, chunked=True, policy="fair", max_loras=1)
+"""A small cache, two places and a 4-token budget: where both livelocks below showed."""
 LIVELOCKS = {
     # A waiting fork parent whose first chunk needs more blocks than are free took the
     # step's budget from the running prefill that had to finish to free them.
-    "head": dict(
-        ops=[("add", 17, 2, 2, 1, 0), ("add", 10, 1, 1, 0, 0)],
-        num_blocks=6,
-        max_num_seqs=2,
-        budget=4,
-        chunked=True,
-        policy="fair",
-        max_loras=1,
-        seed=0,
-    ),
+    "head": dict(ops=[("add", 17, 2, 2, 1, 0), ("add", 10, 1, 1, 0, 0)], seed=0, **TIGHT),
     # The same through the adapter slot gate.
     "slot_gate": dict(
         ops=[("add", 1, 1, 1, 0, 0), ("add", 1, 1, 1, 0, 0), ("add", 21, 1, 1, 0, 0)]
         + [("add", 1, 5, 1, 0, 1)],
-        num_blocks=6,
-        max_num_seqs=2,
-        budget=4,
-        chunked=True,
-        policy="fair",
-        max_loras=1,
         seed=0,
+        **TIGHT,
     ),
 }
 """Cases the property test below found (with more examples than it runs by default)."""

@@ -73,17 +73,51 @@ class LoRABatch:
         device: torch.device,
         slot_ranks: Sequence[int] | None = None,
     ) -> LoRABatch:
+        """The batch of one slot per token (`from_runs` over its runs of equal slots)."""
+        runs: list[tuple[int, int]] = []
+        for t, slot in enumerate(slots):
+            if runs and runs[-1][0] == slot and t != num_decode_tokens:
+                runs[-1] = (slot, runs[-1][1] + 1)
+            else:
+                runs.append((slot, 1))
+        return cls.from_runs(runs, num_decode_tokens, device, slot_ranks)
+
+    @classmethod
+    def from_runs(
+        cls,
+        runs: Sequence[tuple[int, int]],
+        num_decode_tokens: int,
+        device: torch.device,
+        slot_ranks: Sequence[int] | None = None,
+    ) -> LoRABatch:
+        """The batch of `runs` (slot, token count) in token order: a step's scheduled
+        sequences, so the cost follows sequences, not tokens (a prefill of thousands of
+        tokens is a few runs)."""
         segments: list[tuple[int, int, int]] = []
         start = 0
-        for t in range(1, len(slots) + 1):
-            if t == len(slots) or slots[t] != slots[start] or t == num_decode_tokens:
-                if slots[start] >= 0:
-                    segments.append((start, t, slots[start]))
-                start = t
+        for slot, count in runs:
+            end = start + count
+            if start < num_decode_tokens < end:
+                raise ValueError(f"a run of tokens {start}..{end - 1} crosses the decodes' end")
+            if count == 0:
+                continue
+            merges = (
+                segments
+                and segments[-1][2] == slot
+                and segments[-1][1] == start
+                and start != num_decode_tokens
+            )
+            if merges:
+                segments[-1] = (segments[-1][0], end, slot)
+            elif slot >= 0:
+                segments.append((start, end, slot))
+            start = end
         prefill = [seg for seg in segments if seg[0] >= num_decode_tokens]
         as_int32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+        run_slots = torch.tensor([slot for slot, _ in runs], dtype=torch.int64)
+        run_counts = torch.tensor([count for _, count in runs], dtype=torch.int64)
         return cls(
-            token_slots=torch.tensor(list(slots), dtype=torch.int64, device=device),
+            token_slots=run_slots.repeat_interleave(run_counts).to(device),
             segments=tuple(segments),
             num_decode_tokens=num_decode_tokens,
             seg_starts=as_int32([s for s, _, _ in prefill]),
@@ -259,12 +293,19 @@ def triton_add_lora(
     num_slices: int = 1,
 ) -> None:
     """GPU path: BGMV kernels for the decode tokens, SGMV kernels for prefill chunks;
-    the shrink output is fp32. Reads every column (`num_slices` is not needed)."""
+    the shrink output is fp32. Reads every column (`num_slices` is not needed). A batch
+    of segments alone with few tokens and few slot columns (a decode graph's step past
+    `max_loras` decodes) shrinks for every slot in one matmul (`_dense_shrink_fits`)."""
     from loraplex.kernels import triton_lora
 
+    decodes = batch.num_decode_tokens
+    if not decodes and batch.max_seg_len and _dense_shrink_fits(x, lora_a):
+        y = triton_lora.dense_shrink(x, lora_a)
+        segs = (batch.seg_starts, batch.seg_lens, batch.seg_slots, batch.max_seg_len)
+        triton_lora.sgmv_expand(y, lora_b, *segs, out)
+        return
     # Rows outside every segment and slot -1 rows are never read back: no memset.
     y = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    decodes = batch.num_decode_tokens
     if decodes:
         triton_lora.bgmv_shrink(x[:decodes], lora_a, batch.token_slots[:decodes], y[:decodes])
         triton_lora.bgmv_expand(y[:decodes], lora_b, batch.token_slots[:decodes], out[:decodes])
@@ -272,3 +313,20 @@ def triton_add_lora(
         segs = (batch.seg_starts, batch.seg_lens, batch.seg_slots, batch.max_seg_len)
         triton_lora.sgmv_shrink(x, lora_a, *segs, y)
         triton_lora.sgmv_expand(y, lora_b, *segs, out)
+
+
+DENSE_SHRINK_MAX_TOKENS = 256
+DENSE_SHRINK_MAX_COLUMNS = 512
+"""Bounds of the dense shrink: it computes every slot's columns for every token, so its
+reads grow with L * R (all slots' A, used or not) and its work with tokens x L * R. Up
+to 256 tokens and 512 stacked columns (8 slots of a rank-16 q/k/v) it reads no more
+than the SGMV shrink with every slot in use."""
+
+
+def _dense_shrink_fits(x: torch.Tensor, lora_a: torch.Tensor) -> bool:
+    slots, rank, _ = lora_a.shape
+    return (
+        x.shape[0] <= DENSE_SHRINK_MAX_TOKENS
+        and slots * rank <= DENSE_SHRINK_MAX_COLUMNS
+        and lora_a.is_contiguous()
+    )

@@ -420,7 +420,7 @@ class ModelRunner:
 
         decodes = sorted((s for s in output.scheduled if s.num_query_tokens == 1), key=slot)
         prefills = sorted((s for s in output.scheduled if s.num_query_tokens > 1), key=slot)
-        token_slots: list[int] = []
+        slot_runs: list[tuple[int, int]] = []
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -443,7 +443,7 @@ class ModelRunner:
                 prompt_targets.extend(request.prompt_token_ids[p + 1] for p in scored)
             token_ids.extend(request.all_token_ids[start : start + item.num_tokens])
             token_ids.extend(item.draft_token_ids)
-            token_slots.extend([slot(item)] * item.num_query_tokens)
+            slot_runs.append((slot(item), item.num_query_tokens))
             positions.extend(range(start, stop))
             table = item.block_ids
             slots.extend(table[p // size] * size + p % size for p in range(start, stop))
@@ -474,8 +474,8 @@ class ModelRunner:
         )
         lora = None
         if slot_of:
-            lora = LoRABatch.from_token_slots(
-                token_slots, len(decodes), device, self.lora_slots.slot_ranks()
+            lora = LoRABatch.from_runs(
+                slot_runs, len(decodes), device, self.lora_slots.slot_ranks()
             )
         slot_writes = self.lora_slots.take_loads() if self.lora_slots is not None else []
         inputs = StepInputs(

@@ -254,6 +254,8 @@ def bench_model(
     )
     if args.profile is not None:
         profile(llm, batch, single, spread, args)
+    if args.kernel_profile is not None:
+        kernel_profile(llm, batch, spread, args)
     llm.engine.shutdown()
     del llm
     if args.hf:
@@ -289,6 +291,39 @@ def profile(
             report.write(f"===== {label}, by {order}\n")
             pstats.Stats(profiler, stream=report).sort_stats(order).print_stats(30)
     args.profile.write_text(report.getvalue())
+
+
+def kernel_profile(
+    llm: LLM, batch: list[list[int]], spread: list[str], args: argparse.Namespace
+) -> None:
+    """torch.profiler (CUPTI) over a prefill and a whole batch, each without and with the
+    8 adapters: per workload its wall time, the summed device time of its kernels, and the
+    kernels with the most device time, written to `args.kernel_profile`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    report = []
+    for label, output_len, chosen in (
+        ("prefill", 1, None),
+        ("prefill, 8 adapters", 1, spread),
+        ("batch", args.output_len, None),
+        ("batch, 8 adapters", args.output_len, spread),
+    ):
+        run = engine_run(llm, batch, output_len, chosen)
+        run()
+        synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
+            run()
+            synchronize()
+            wall = time.perf_counter() - started
+        averages = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in averages)
+        report.append(
+            f"===== {label}: wall {wall * 1e3:.1f} ms (profiled), kernels {device_us / 1e3:.1f} ms"
+        )
+        report.append(averages.table(sort_by="self_device_time_total", row_limit=25))
+    args.kernel_profile.write_text("\n".join(report))
 
 
 def hf_figures(
@@ -360,6 +395,9 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="also time HF generate")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--profile", type=Path, default=None, help="cProfile report file")
+    parser.add_argument(
+        "--kernel-profile", type=Path, default=None, help="torch.profiler kernel tables file"
+    )
     parser.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

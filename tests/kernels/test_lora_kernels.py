@@ -282,15 +282,16 @@ def test_bgmv_expand_strided_views(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_sgmv_leaves_other_rows_untouched(block_m: int) -> None:
-    """Decode and base tokens are in no prefill segment: SGMV writes none of their rows.
-    Segment lengths cross BLOCK_M boundaries."""
+    """Decode and base tokens are in no prefill segment: SGMV writes none of their rows
+    (the shrink's K unsplit: a split zeroes y first). Segment lengths cross BLOCK_M
+    boundaries."""
     lora_a, lora_b = make_weights(torch.float32)
     slots = [0, 1, 1] + [2] * 33 + [-1] * 3 + [4] * 16 + [5]
     batch = LoRABatch.from_token_slots(slots, 3, DEVICE)
     x, out = make_activations(len(slots), IN_FEATURES, OUT_FEATURES, torch.float32)
     segs = (batch.seg_starts, batch.seg_lens, batch.seg_slots, batch.max_seg_len)
     y = torch.full((len(slots), RANK), 7.0, device=DEVICE)
-    triton_lora.sgmv_shrink(x, lora_a, *segs, y, block_m=block_m)
+    triton_lora.sgmv_shrink(x, lora_a, *segs, y, block_m=block_m, split_k=1)
     result = out.clone()
     triton_lora.sgmv_expand(y, lora_b, *segs, result, block_m=block_m)
     in_segment = torch.zeros(len(slots), dtype=torch.bool, device=DEVICE)
@@ -303,6 +304,63 @@ def test_sgmv_leaves_other_rows_untouched(block_m: int) -> None:
     expected = reference_expand(expected_y, lora_b, prefill_slots, out)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(result[~in_segment], out[~in_segment])
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_sgmv_split_k_as_in_a_decode_graph(split_k: int) -> None:
+    """A decode graph's segment table: short segments, unused entries (length 0, slot -1)
+    and max_seg_len sized for the worst case. Off CUDA, K = 200 is four 64-wide blocks,
+    the last a tail: 2 splits take two blocks each, 3 splits take two, one and one. y is
+    zeroed first, so rows outside the segments read 0, and the expand (narrow output
+    blocks) adds the reference's delta."""
+    in_features, rank = 200, 48
+    lora_a, lora_b = make_weights(
+        torch.float32, in_features=in_features, rank=rank, slot_ranks=None
+    )
+    slots = [0, 0, 1, 3, 3, 3, -1, -1]
+    x, out = make_activations(len(slots), in_features, OUT_FEATURES, torch.float32)
+    as_int32 = {"dtype": torch.int32, "device": DEVICE}
+    segs = (
+        torch.tensor([0, 2, 3, 0, 0], **as_int32),
+        torch.tensor([2, 1, 3, 0, 0], **as_int32),
+        torch.tensor([0, 1, 3, -1, -1], **as_int32),
+        len(slots),
+    )
+    y = torch.full((len(slots), rank), 7.0, device=DEVICE)
+    triton_lora.sgmv_shrink(x, lora_a, *segs, y, split_k=split_k)
+    token_slots = torch.tensor(slots, device=DEVICE)
+    expected_y = reference_shrink(x, lora_a, token_slots)
+    torch.testing.assert_close(y, expected_y, rtol=1e-4, atol=1e-4)
+    result = out.clone()
+    triton_lora.sgmv_expand(y, lora_b, *segs, result, block_n=32)
+    expected = reference_expand(expected_y, lora_b, token_slots, out)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dense_shrink_then_expand_by_slot(dtype: torch.dtype) -> None:
+    """Every slot's shrink in one matmul, y [T, L, R]; the expand reads each segment's
+    slot from it (a graph's table: unused entries of length 0 and slot -1), rows outside
+    the segments untouched."""
+    lora_a, lora_b = make_weights(dtype)
+    slots = [0, 0, 1, 4, 4, 4, -1, 5]
+    x, out = make_activations(len(slots), IN_FEATURES, OUT_FEATURES, dtype)
+    as_int32 = {"dtype": torch.int32, "device": DEVICE}
+    segs = (
+        torch.tensor([0, 2, 3, 7, 0], **as_int32),
+        torch.tensor([2, 1, 3, 1, 0], **as_int32),
+        torch.tensor([0, 1, 4, 5, -1], **as_int32),
+        len(slots),
+    )
+    y = triton_lora.dense_shrink(x, lora_a)
+    assert y.shape == (len(slots), NUM_SLOTS, RANK) and y.dtype == dtype
+    result = out.clone()
+    triton_lora.sgmv_expand(y, lora_b, *segs, result)
+    token_slots = torch.tensor(slots, device=DEVICE)
+    expected_y = reference_shrink(x, lora_a, token_slots)
+    expected = reference_expand(expected_y, lora_b, token_slots, out)
+    assert_close(result, expected, dtype)
+    assert torch.equal(result[6], out[6])
 
 
 @pytest.mark.parametrize("rank", [1, 5, 130])
@@ -364,3 +422,19 @@ def test_torch_path_with_fp32_slots_for_a_half_model(dtype: torch.dtype, with_ra
         assert got.dtype == dtype
         assert_close(got, expected, dtype)
         assert torch.equal(got[batch.token_slots < 0], out[batch.token_slots < 0])
+
+
+def test_batch_from_runs_merges_sequences_of_one_slot() -> None:
+    """The runner's runs (one per scheduled sequence): equal slots that touch merge into
+    one segment, never across the decodes' end; base runs belong to no segment; a run
+    that would cross the decodes' end is refused."""
+    runs = [(1, 1), (1, 1), (-1, 1), (2, 1), (2, 4), (2, 3), (-1, 2), (0, 5), (0, 0), (0, 1)]
+    batch = LoRABatch.from_runs(runs, 4, DEVICE)
+    assert batch.segments == ((0, 2, 1), (3, 4, 2), (4, 11, 2), (13, 19, 0))
+    assert batch.seg_starts.tolist() == [4, 13] and batch.seg_lens.tolist() == [7, 6]
+    expected = [slot for slot, count in runs for _ in range(count)]
+    assert batch.token_slots.tolist() == expected
+    same = LoRABatch.from_token_slots(expected, 4, DEVICE)
+    assert same.segments == batch.segments
+    with pytest.raises(ValueError, match="crosses"):
+        LoRABatch.from_runs([(1, 3), (1, 2)], 4, DEVICE)

@@ -1,7 +1,7 @@
 """OpenAI request/response schema, validated once at the edge.
 
 Fields the OpenAI API defines but that change nothing on this server are accepted and
-ignored (`IGNORED_FIELDS`, documented in the README); any other unknown field is
+ignored (`IGNORED_FIELDS`, documented in docs/serving.md); any other unknown field is
 rejected (400 naming it), so a client relying on a parameter we do not implement finds
 out at once. Every number has bounds the engine can represent (NaN and Infinity are
 refused everywhere); what depends on the model (top_k and token ids against its
@@ -66,7 +66,7 @@ IGNORED_FIELDS = {
     "modalities": '(chat) only ["text"] is accepted',
     "prediction": "(chat) a predicted output changes only speed, not the answer",
 }
-"""Field -> why it changes nothing (the README's list is this one)."""
+"""Field -> why it changes nothing (docs/serving.md's list is this one)."""
 
 
 MAX_CHOICES = 256

@@ -56,7 +56,7 @@ class FixedWorkload:
 
 
 REFERENCE_WORKLOAD = FixedWorkload(num_requests=64, prompt_len=128, output_len=64)
-"""W1: what `dtype: auto` optimizes for and the README's served and offline figures run."""
+"""W1: what `dtype: auto` optimizes for and the served and offline figures of docs/benchmarks.md run."""
 
 
 @dataclass(frozen=True)

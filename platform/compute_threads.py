@@ -13,7 +13,7 @@ step loop runs on a background thread (AsyncEngine) must respect:
   pool of worker threads, and once a process holds more pool threads than CPUs,
   libgomp makes every worker sleep almost at once between regions instead of spinning.
   An engine built on one thread and stepped on another has two pools, and its workers
-  then sleep thousands of times a burst instead of never (README: "Where the served
+  then sleep thousands of times a burst instead of never (docs/benchmarks.md: "Where the served
   path's time goes" has the figures). `AsyncEngine.build` therefore builds, warms up
   and steps the engine on its loop thread. `GOMP_SPINCOUNT` does not lift the limit,
   and `OMP_WAIT_POLICY=ACTIVE` makes the idle pool spin, which is slower still.

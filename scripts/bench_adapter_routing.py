@@ -10,7 +10,7 @@ model), each run through `loraplex bench serve --server-counters`:
    replicas' prefix-cache hit rate, TTFT p50 / p99.
 The variants of a scenario alternate (A, B, A, B) so the VM's drift falls on both.
 It prints one line per run and a table, with the CPU model and the load. The figures of
-record are in the README (Fleet routing).
+record are in docs/operations.md (Fleet routing).
 
 Usage: .venv/bin/python scripts/bench_adapter_routing.py [OUTPUT_DIR] [--rounds N]
 """

@@ -10,7 +10,7 @@ It prints light's TTFT p50 / p99 in both phases and their ratio, what each tenan
 (completed, refused, output tok/s against the tok/s it asked for: past saturation it
 gets less), the CPU model and the load. The rate that saturates the replica depends on
 the CPU: raise `--light-rate` until the heavy tenant gets less than it asks for. The
-figures of record are in the README (Tenant fair share).
+figures of record are in docs/operations.md (Tenant fair share).
 
 Usage: .venv/bin/python scripts/bench_fair_share.py [OUTPUT_DIR] [--policies fair,fcfs]
        [--max-num-batched-tokens N] [--light-rate R] [--light-prompts N]

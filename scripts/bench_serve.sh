@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The served-path benchmark of the README (issue 11's figures), one app per scenario:
+# The served-path benchmark of docs/benchmarks.md (issue 11's figures), one app per scenario:
 #   1. 64 concurrent streams, 128 -> 64 tokens, base model, 3 bursts from the moment the
 #      app reports ready, against the engine offline (same options, separate process);
 #   2. one stream at a time over a 768-token shared prefix + 32 tokens -> 32 (ITL);

@@ -1,4 +1,4 @@
-"""A Ray cluster of several nodes on this machine, started the way the README adds nodes:
+"""A Ray cluster of several nodes on this machine, started the way docs/operations.md adds nodes:
 `ray start --head` and `ray start --address=...`, each with `--block` so the test owns
 every process a node starts (and only those: stopping it never touches another Ray
 instance, such as the test session's own). Every port is picked free, and the cluster

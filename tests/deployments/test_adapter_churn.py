@@ -7,7 +7,7 @@ model replica, the ingress and the registry are compared with where they stood a
 warm-up.
 
 `LORAPLEX_ADAPTER_CYCLES` sets the number of cycles (default 100: what CI runs); the
-README's figure comes from a 10,000-cycle run.
+docs/operations.md's figure comes from a 10,000-cycle run.
 """
 
 from __future__ import annotations

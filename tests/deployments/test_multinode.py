@@ -1,6 +1,6 @@
 """Two Ray nodes on this machine (`ray start --head`, `ray start --address=...`, each
 with 1 CPU; tests/deployments/ray_nodes.py) and the app deployed with `serve deploy`, as
-the README's "Adding a node" does it. Its own cluster: the session's Ray instance is left
+docs/operations.md's "Adding a node" does it. Its own cluster: the session's Ray instance is left
 alone, so the file runs alone or inside the whole suite.
 
 - `tiny` has two replicas, at most one per node: one lands on each node (Serve's replica

@@ -4,7 +4,7 @@ key), the hand list and a stalled client; nothing but 2xx and OpenAI-error 4xx (
 overload 503s with Retry-After) may come back.
 
 `LORAPLEX_FUZZ_EXAMPLES` sets the generated requests per operation and mode (default 8:
-the fast subset CI runs); the README's figure comes from a larger run.
+the fast subset CI runs); docs/reliability.md's figure comes from a larger run.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 /health must keep answering.
 
 `LORAPLEX_LOAD_PHASE_S` sets the seconds per load level (default 3: the fast subset CI
-runs); the README's figure comes from a longer run.
+runs); docs/reliability.md's figure comes from a longer run.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ whose KV cache of 24 blocks cannot hold its running requests: they get preempted
 recomputed, and its books must balance all the same.
 
 `LORAPLEX_SOAK_REQUESTS` sets the number of requests (default 300: the fast subset CI
-runs); the README's figure comes from a larger run.
+runs); docs/reliability.md's figure comes from a larger run.
 """
 
 from __future__ import annotations

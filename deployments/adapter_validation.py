@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 
 from loraplex.adapters.peft_format import AdapterError, load_peft_adapter
 from loraplex.deployments.errors import OpenAIError
-from loraplex.platform.models.arch import ModelArch
+from loraplex.platform.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from loraplex.deployments.residency import ResidencyRegistryDeployment
 
 def replica_bundles(config: ModelDeploymentConfig) -> list[dict[str, float]]:
     """What one replica reserves: one bundle per rank, the replica (rank 0) in bundle 0 and
-    worker r in bundle r (parallel/workers.py); one bundle for one rank."""
+    worker r in bundle r (tp_workers.py); one bundle for one rank."""
     parallel = config.engine_config().parallel
     server = config.server
 

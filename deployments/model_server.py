@@ -246,14 +246,46 @@ def _pinned_version(entry: AdapterEntry) -> int | None:
     return entry.version if entry.root is not None else None
 
 
+class ReplicaPlace:
+    """Where a ModelServer runs, as Serve tells it: its replica id, its node, and the
+    multiplexed model id (the adapter) of the call being handled."""
+
+    def replica_id(self) -> str:
+        return serve.get_replica_context().replica_id.unique_id
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def multiplexed_model_id(self) -> str:
+        return serve.get_multiplexed_model_id()
+
+
+class LocalPlace(ReplicaPlace):
+    """A ModelServer built outside Serve (in a test's process): one local replica whose
+    calls name no adapter."""
+
+    def replica_id(self) -> str:
+        return "local"
+
+    def node_id(self) -> str:
+        return ""
+
+    def multiplexed_model_id(self) -> str:
+        return ""
+
+
 class ModelServer:
     def __init__(
         self,
         config: ModelDeploymentConfig,
         adapter_root: str,
         registry: DeploymentHandle | None = None,
+        place: ReplicaPlace | None = None,
     ) -> None:
+        """`place`: where it runs (default: the Serve replica it is; `LocalPlace` off
+        Serve)."""
         send_platform_logs_to_serve()
+        self.place = place if place is not None else ReplicaPlace()
         constructed = time.perf_counter()
         self.config = config
         engine_config = config.engine_config()
@@ -269,7 +301,7 @@ class ModelServer:
         )
         self.token_texts = TokenTexts(self.engine.detokenize)
         self.catalog = AdapterCatalog(adapter_root, {config.name: dict(config.adapters)})
-        replica = serve.get_replica_context().replica_id.unique_id if _in_serve() else "local"
+        replica = self.place.replica_id()
         self.replica_id = replica
         self.metrics = EngineMetrics(config.name, replica)
         self.memory = ProcessMemory(model_deployment_name(config.name), replica)
@@ -325,7 +357,7 @@ class ModelServer:
         """The call's adapter, counted as one request for it; a failed load (not in the
         catalog, bad files, the call cancelled) of an adapter this replica does not hold
         forgets it, so an id that never loads leaves no entry behind."""
-        model_id = serve.get_multiplexed_model_id() if _in_serve() else ""
+        model_id = self.place.multiplexed_model_id()
         self._requests.record(model_id, time.monotonic())
         if not model_id:
             return None
@@ -405,7 +437,7 @@ class ModelServer:
         return ReplicaResidency(
             model=self.config.name,
             replica=self.metrics.tags["replica"],
-            node_id=ray.get_runtime_context().get_node_id() if _in_serve() else "",
+            node_id=self.place.node_id(),
             device=stats["device"],
             host=stats["host"],
             requests=stats["requests"],
@@ -615,15 +647,6 @@ class ModelServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-
-def _in_serve() -> bool:
-    """True inside a Serve replica (tests also build a ModelServer directly)."""
-    try:
-        serve.get_replica_context()
-    except Exception:
-        return False
-    return True
 
 
 class DeltaTracker:

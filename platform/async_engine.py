@@ -173,16 +173,19 @@ def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
 class AsyncEngine:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | Callable[[], LLMEngine],
         idle_poll_s: float = 0.5,
         messages_per_step: int = 0,
         supervision: Supervision = Supervision(),
     ) -> None:
-        """Runs an engine built elsewhere. Its step thread is then a second OpenMP
+        """Runs `engine` on its step thread, or the engine that function builds there
+        (`AsyncEngine.build`): one built elsewhere makes the step thread a second OpenMP
         master beside the thread that built it, which costs CPU engines ~10% (see
-        platform/compute_threads.py): servers use `AsyncEngine.build`.
-        `messages_per_step`: see `_Coalescing` (0: every request yields every step)."""
-        self._start(lambda: engine, idle_poll_s, messages_per_step, supervision)
+        platform/compute_threads.py), so servers build on the step thread. Returns once
+        the engine is ready, raising what building raised. `messages_per_step`: see
+        `_Coalescing` (0: every request yields every step)."""
+        make = engine if callable(engine) else lambda: engine
+        self._start(make, idle_poll_s, messages_per_step, supervision)
 
     @classmethod
     def build(
@@ -202,9 +205,7 @@ class AsyncEngine:
                 engine.warm_up()
             return engine
 
-        async_engine = cls.__new__(cls)
-        async_engine._start(make, idle_poll_s, messages_per_step, supervision)
-        return async_engine
+        return cls(make, idle_poll_s, messages_per_step, supervision)
 
     def _start(
         self,

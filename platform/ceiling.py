@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.platform.arch import ModelArch
 from loraplex.platform.config import AUTO_DTYPE, EngineConfig, SchedulerConfig
 from loraplex.platform.gemm_probe import (
     GemmTimes,
@@ -34,7 +35,6 @@ from loraplex.platform.gemm_probe import (
     model_projections,
     probe_gemm_times,
 )
-from loraplex.platform.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 

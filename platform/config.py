@@ -175,7 +175,7 @@ class LoRAConfig:
 class ParallelConfig:
     """Tensor parallelism: `tensor_parallel_size` ranks each hold a shard of the model and
     of the KV cache. Rank 0 runs in the engine's process and drives every step; ranks
-    1.. run in Ray worker actors (platform/parallel/workers.py), each reserving
+    1.. run in Ray worker actors (platform/tp_workers.py), each reserving
     `worker_num_cpus` (and a GPU on CUDA). A collective that waits longer than
     `distributed_timeout_s` (a dead or stuck rank) fails the engine instead of hanging."""
 

@@ -20,6 +20,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.slots import LoRASlots
 from loraplex.adapters.store import AdapterStore
 from loraplex.kernels.selection import kernel_backend
+from loraplex.platform.arch import ModelArch
 from loraplex.platform.block_pool import BlockPool
 from loraplex.platform.ceiling import resolve_auto_dtype
 from loraplex.platform.compute_threads import default_compute_threads, use_compute_threads
@@ -28,26 +29,25 @@ from loraplex.platform.cpu_allocator import keep_freed_memory, release_freed_mem
 from loraplex.platform.decode_graphs import BUCKETS, DecodeGraphs, graph_memory_estimate
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.guided import GrammarCompiler, GuidedSpec
-from loraplex.platform.kv_cache import allocate_kv_caches, plan_num_blocks
+from loraplex.platform.kv_cache import plan_num_blocks
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.model_runner import AdapterActivationError, ModelRunner
-from loraplex.platform.models.arch import ModelArch
-from loraplex.platform.models.registry import load_model
 from loraplex.platform.output_processor import OutputProcessor
 from loraplex.platform.parallel.layout import TPLayout
-from loraplex.platform.parallel.workers import (
+from loraplex.platform.rank_builder import RankSpec, build_rank
+from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
+from loraplex.platform.scheduler import Scheduler, SchedulerOutput
+from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
+from loraplex.platform.stop import check_stop
+from loraplex.platform.tokenizer import encode_text, eos_token_ids, load_tokenizer
+from loraplex.platform.tp_workers import (
     ShardMemory,
     TPWorkers,
     WorkerSpec,
     model_weight_bytes,
     tensor_bytes,
 )
-from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
-from loraplex.platform.scheduler import Scheduler, SchedulerOutput
-from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
-from loraplex.platform.stop import check_stop
-from loraplex.platform.tokenizer import encode_text, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +60,14 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(folder, self.tokenizer)
         self._set_up_compute(config)
         self._set_limits(config, ModelArch.from_folder(folder))
-        model, kv_caches = self._load_model_and_cache(folder)
-        lora_slots = self._set_up_adapters(model)
+        self.runner = self._build_ranks(folder)
+        self._set_up_adapter_store()
         self._spec_stats = SpecDecodeStats(self.config.speculative.num_speculative_tokens)
         self._build_request_state()
-        cache = self.config.cache
-        self.runner = ModelRunner(
-            model, kv_caches, cache.block_size, self.device, lora_slots, self.workers
-        )
-        self._capture_graphs(model)
+        self._capture_graphs(self.runner.model)
         self.restarts = 0
         self._grammars: GrammarCompiler | None = None
-        self._log_ready(time.monotonic() - started, lora_slots)
+        self._log_ready(time.monotonic() - started, self.runner.lora_slots)
 
     def _set_up_compute(self, config: EngineConfig) -> None:
         """The device, the calling thread's torch threads, the torch seed, the kernels."""
@@ -96,39 +92,41 @@ class LLMEngine:
                 arch.max_position_embeddings,
             )
 
-    def _load_model_and_cache(self, folder: Path) -> tuple[torch.nn.Module, list[torch.Tensor]]:
-        """Sizes the KV cache, starts the tensor-parallel workers (if any), loads rank 0's
-        weights and allocates its KV cache; the workers stop if loading fails."""
+    def _build_ranks(self, folder: Path) -> ModelRunner:
+        """Sizes the KV cache, starts the tensor-parallel workers (if any) and builds rank
+        0 (`build_rank`, as every worker builds its own); the workers stop if rank 0
+        fails to build."""
         config = self.config
-        arch = self.arch
-        cache = config.cache
         tp_size = config.parallel.tensor_parallel_size
-        layout = TPLayout.create(arch, 0, tp_size)
-        num_blocks = plan_num_blocks(
-            cache,
-            arch,
+        layout = TPLayout.create(self.arch, 0, tp_size)
+        self.num_blocks = plan_num_blocks(
+            config.cache,
+            self.arch,
             config.model.dtype,
             self.device,
             self.max_model_len,
             layout.num_kv_heads,
             reserved_bytes=self._graph_reserve_bytes(),
         )
+        spec = RankSpec(
+            folder=str(folder),
+            dtype=config.model.dtype,
+            device=str(self.device),
+            kernels=self.kernel_backend,
+            num_blocks=self.num_blocks,
+            block_size=config.cache.block_size,
+            max_loras=config.lora.max_loras,
+            max_lora_rank=config.lora.max_lora_rank,
+        )
         self.workers: TPWorkers | None = None
         if tp_size > 1:
-            self.workers = self._start_workers(folder, num_blocks)
+            self.workers = self._start_workers(spec)
         group = self.workers.group if self.workers is not None else None
         try:
-            model, _ = load_model(
-                folder, config.model.dtype, self.device, self.kernel_backend, 0, group
-            )
+            return build_rank(spec, 0, group, self.workers)
         except BaseException:
             self.shutdown()
             raise
-        kv_caches = allocate_kv_caches(
-            arch, num_blocks, cache.block_size, config.model.dtype, self.device, layout.num_kv_heads
-        )
-        self.num_blocks = num_blocks
-        return model, kv_caches
 
     def _uses_graphs(self) -> bool:
         """CUDA graphs for decode steps: on a GPU with the Triton kernels (the torch
@@ -173,18 +171,14 @@ class LLMEngine:
         self.graph_pool_bytes = graphs.pool_bytes
         self.runner.graphs = graphs
 
-    def _set_up_adapters(self, model: torch.nn.Module) -> LoRASlots | None:
-        """The adapter store and the device slots, or None for both with LoRA off."""
+    def _set_up_adapter_store(self) -> None:
+        """The adapter store (host tier), None with LoRA off."""
         lora = self.config.lora
         self.adapters: AdapterStore | None = None
-        if not lora.enabled:
-            return None
-        self.adapters = AdapterStore(
-            self.arch, lora.max_lora_rank, lora.max_cpu_loras, lora.adapter_root
-        )
-        return LoRASlots(
-            model.lora_targets(), lora.max_loras, lora.max_lora_rank, self.kernel_backend
-        )
+        if lora.enabled:
+            self.adapters = AdapterStore(
+                self.arch, lora.max_lora_rank, lora.max_cpu_loras, lora.adapter_root
+            )
 
     def _log_ready(self, elapsed: float, lora_slots: LoRASlots | None) -> None:
         """Logs each tensor-parallel rank's memory and the engine's settings."""
@@ -276,22 +270,14 @@ class LLMEngine:
             self.runner.lora_slots.clear()
         self.restarts += 1
 
-    def _start_workers(self, folder, num_blocks: int) -> TPWorkers:
-        config = self.config
-        size = config.parallel.tensor_parallel_size
+    def _start_workers(self, rank: RankSpec) -> TPWorkers:
+        size = self.config.parallel.tensor_parallel_size
         spec = WorkerSpec(
-            folder=str(folder),
-            dtype=config.model.dtype,
-            device=config.model.device,
-            kernels=self.kernel_backend,
+            rank=rank,
             size=size,
-            num_blocks=num_blocks,
-            block_size=config.cache.block_size,
-            max_loras=config.lora.max_loras,
-            max_lora_rank=config.lora.max_lora_rank,
-            timeout_s=config.parallel.distributed_timeout_s,
+            timeout_s=self.config.parallel.distributed_timeout_s,
             num_threads=max(1, (os.cpu_count() or 1) // size),
-            num_cpus=config.parallel.worker_num_cpus,
+            num_cpus=self.config.parallel.worker_num_cpus,
         )
         return TPWorkers.start(spec)
 

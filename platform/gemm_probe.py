@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from loraplex.kernels.cache_dir import cache_base
 from loraplex.kernels.cpu_matmul import PackedWeight, cpu_lacks_half_matmul
 from loraplex.kernels.cpu_ops import cpu_identity
-from loraplex.platform.models.arch import ModelArch
+from loraplex.platform.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 

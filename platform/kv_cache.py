@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from loraplex.platform.arch import ModelArch
 from loraplex.platform.config import CacheConfig
-from loraplex.platform.models.arch import ModelArch
 
 
 def allocate_kv_caches(

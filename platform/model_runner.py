@@ -28,7 +28,7 @@ Every tensor-parallel rank owns a runner over its shard and runs each step with 
 `run(StepInputs)`: block copies, forward, logits of the sampling rows. Only rank 0
 prepares steps and samples; it hands each step's inputs (with the block copies and the
 adapter slot writes it made while preparing) to the other ranks before running it, and
-the collectives inside the model keep the ranks together (parallel/workers.py).
+the collectives inside the model keep the ranks together (tp_workers.py).
 
 On a GPU with CUDA graphs captured (platform/decode_graphs.py, one rank only), a step
 of decodes alone (no prefill chunk, no drafts, no prompt rows) skips the eager forward:
@@ -141,7 +141,7 @@ class PreparedStep:
 
 
 class StepFollowers(Protocol):
-    """The tensor-parallel ranks 1.. (`TPWorkers` in parallel/workers.py)."""
+    """The tensor-parallel ranks 1.. (`TPWorkers` in tp_workers.py)."""
 
     def send(self, inputs: StepInputs) -> None:
         """Hands them the step rank 0 is about to run; each runs it with rank 0."""

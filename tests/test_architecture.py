@@ -4,7 +4,10 @@
   import nothing of loraplex but their own package, adapters nothing of the platform
   but its config module, the platform nothing of deployments or Ray Serve, and the
   packages form no import cycle (every import counts, inside functions too);
-- docs/ARCHITECTURE.md names every package module, and every module it names exists.
+- the platform's floors: no module imports a floor above its own;
+- docs/ARCHITECTURE.md names every package module, and every module it names exists;
+- each rule written in one place (one rank builder among them), and constructors that
+  construct.
 """
 
 from __future__ import annotations
@@ -214,6 +217,10 @@ WRITTEN_ONCE = {
         "kernels/selection.py",
     ),
     "the step every rank runs": (r"\.compute_logits\(", "platform/model_runner.py"),
+    "how a rank is built": (
+        r"(?<!def )(load_model|allocate_kv_caches)\(|ModelRunner\(",
+        "platform/rank_builder.py",
+    ),
 }
 """Each rule of the architecture, the pattern that writes it, and the one file that may."""
 
@@ -228,3 +235,53 @@ def test_each_rule_is_written_in_one_place(rule):
         str(path.relative_to(ROOT)) for path in sources if re.search(pattern, path.read_text())
     )
     assert writers == [owner], f"{rule} is written in {writers}, expected only in {owner}"
+
+
+PLATFORM_FLOORS = (
+    ("loraplex.platform.arch",),
+    ("loraplex.platform.layers", "loraplex.platform.parallel"),
+    ("loraplex.platform.models",),
+)
+"""The platform's lower floors, bottom first: the model's shape; layers and the
+tensor-parallel primitives; the models built from them. Every other platform module is
+on the floor above (the KV cache, the runner, the rank builder, the engine...)."""
+
+
+def platform_floor(module: str) -> int | None:
+    """A platform module's floor (None outside the platform)."""
+    if node_of(module) not in ("platform", "platform.config"):
+        return None
+    for floor, prefixes in enumerate(PLATFORM_FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return floor
+    return len(PLATFORM_FLOORS)
+
+
+def test_no_upward_import_inside_the_platform():
+    upward = sorted(
+        f"{where}:{line} imports {target}"
+        for module, target, where, line in EDGES
+        if platform_floor(target) is not None
+        and platform_floor(module) is not None
+        and platform_floor(target) > platform_floor(module)
+    )
+    assert upward == []
+
+
+def test_platform_floor_sees_each_floor():
+    assert platform_floor("loraplex.platform.arch") == 0
+    assert platform_floor("loraplex.platform.parallel.group") == 1
+    assert platform_floor("loraplex.platform.models.llama") == 2
+    assert platform_floor("loraplex.platform.engine") == 3
+    assert platform_floor("loraplex.kernels.lora") is None
+
+
+def test_constructors_construct():
+    """No object is made around its constructor (`cls.__new__` then a setup method)."""
+    sources = [
+        path for folder in (*DOCUMENTED, "scripts") for path in (ROOT / folder).rglob("*.py")
+    ]
+    bypasses = sorted(
+        str(path.relative_to(ROOT)) for path in sources if "__new__(" in path.read_text()
+    )
+    assert bypasses == []

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from loraplex.platform.models.arch import RopeConfig
+from loraplex.platform.arch import RopeConfig
 
 _INITIAL_POSITIONS = 8192
 """Positions cached up front; the cache doubles on demand past that."""

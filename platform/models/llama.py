@@ -20,11 +20,11 @@ from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.backends import get_backend
 from loraplex.kernels.cpu_matmul import PackedWeight, linear
 from loraplex.kernels.lora import LoRABatch
+from loraplex.platform.arch import ModelArch
 from loraplex.platform.layers.attention import PagedAttention
 from loraplex.platform.layers.linear import MergedLinear, RowParallelLinear
 from loraplex.platform.layers.norm import RMSNorm
 from loraplex.platform.layers.rotary import RotaryEmbedding
-from loraplex.platform.models.arch import ModelArch
 from loraplex.platform.models.weights import WeightTarget, load_checkpoint
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout, split

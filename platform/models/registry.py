@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from loraplex.platform.models.arch import ModelArch
+from loraplex.platform.arch import ModelArch
 from loraplex.platform.models.llama import LlamaForCausalLM
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout

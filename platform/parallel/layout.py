@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.platform.models.arch import ModelArch
+from loraplex.platform.arch import ModelArch
 
 
 def split(total: int, parts: int, index: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from loraplex.adapters.peft_format import (
     expected_lora_shapes,
     load_peft_adapter,
 )
-from loraplex.platform.models.arch import ModelArch
+from loraplex.platform.arch import ModelArch
 
 PREFIX = "base_model.model.model.layers"
 Q_A = f"{PREFIX}.0.self_attn.q_proj.lora_A.weight"
@@ -703,7 +703,7 @@ def test_unknown_dtype(plain_copy, arch):
 _MEASURE_LOADS = """
 import json, resource, sys
 from loraplex.adapters.peft_format import AdapterError, load_peft_adapter
-from loraplex.platform.models.arch import ModelArch
+from loraplex.platform.arch import ModelArch
 
 def proc_value(file, field):
     with open(file) as lines:

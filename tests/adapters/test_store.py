@@ -12,7 +12,7 @@ import pytest
 from loraplex.adapters.peft_format import AdapterError, load_peft_adapter
 from loraplex.adapters.store import AdapterStore
 from loraplex.platform import LLM, AsyncEngine, SamplingParams
-from loraplex.platform.models.arch import ModelArch
+from loraplex.platform.arch import ModelArch
 
 
 @pytest.fixture(scope="module")

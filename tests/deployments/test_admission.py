@@ -214,7 +214,12 @@ def test_a_slow_model_server_refuses_what_it_cannot_start_and_finishes_the_rest(
     are refused at once with Retry-After; the two complete, and an idle server admits
     again a request that waited long before it reached the replica."""
     from loraplex.deployments.config import ModelDeploymentConfig
-    from loraplex.deployments.model_server import GenerateCall, GenerateError, ModelServer
+    from loraplex.deployments.model_server import (
+        GenerateCall,
+        GenerateError,
+        LocalPlace,
+        ModelServer,
+    )
     from loraplex.platform.failpoints import FAILPOINTS
     from loraplex.platform.request import SamplingParams
 
@@ -231,7 +236,7 @@ def test_a_slow_model_server_refuses_what_it_cannot_start_and_finishes_the_rest(
         admission_max_wait_s=1.0,
         fault_injection=True,
     )
-    server = ModelServer(config, str(tmp_path / "adapters"))
+    server = ModelServer(config, str(tmp_path / "adapters"), place=LocalPlace())
     server.arm_failpoint("engine.delay", delay_s=0.08)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 

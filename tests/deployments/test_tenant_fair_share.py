@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from loraplex.deployments.config import ModelDeploymentConfig
-from loraplex.deployments.model_server import GenerateCall, GenerateError, ModelServer
+from loraplex.deployments.model_server import GenerateCall, GenerateError, LocalPlace, ModelServer
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.request import SamplingParams
 
@@ -29,7 +29,7 @@ def finish_order(model_folder: str, adapter_root: str, policy: str | None) -> li
     config = ModelDeploymentConfig(
         name="shared", model=model_folder, engine=engine, fault_injection=True
     )
-    server = ModelServer(config, adapter_root)
+    server = ModelServer(config, adapter_root, place=LocalPlace())
     server.arm_failpoint("engine.delay", delay_s=0.02)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     finished: list[str] = []

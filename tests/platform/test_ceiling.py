@@ -102,7 +102,7 @@ def test_ceiling_sums_every_projection_of_every_step():
 def test_auto_prefers_fp32_unless_a_half_dtype_is_clearly_faster(
     tiny_model_factory, monkeypatch, seconds, chosen
 ):
-    from loraplex.platform.models.arch import ModelArch
+    from loraplex.platform.arch import ModelArch
 
     monkeypatch.setattr(ceiling, "candidate_dtypes", lambda device: tuple(seconds))
     monkeypatch.setattr(ceiling, "step_mix_seconds", lambda arch, dtype, w, s: seconds[dtype])

@@ -9,8 +9,8 @@ import torch
 
 from loraplex.kernels.cache_dir import CACHE_DIR_ENV
 from loraplex.platform import gemm_probe
+from loraplex.platform.arch import ModelArch
 from loraplex.platform.gemm_probe import Projection, model_projections, probe_gemm_times
-from loraplex.platform.models.arch import ModelArch
 
 TINY_PROJECTIONS = (
     Projection("qkv", 24, 16, 2),

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.torch_layers import apply_rotary
+from loraplex.platform.arch import ModelArch, RopeConfig
 from loraplex.platform.kv_cache import allocate_kv_caches
 from loraplex.platform.layers.rotary import RotaryEmbedding, compute_inv_freq
-from loraplex.platform.models.arch import ModelArch, RopeConfig
 from loraplex.platform.models.registry import load_model
 
 BLOCK_SIZE = 4

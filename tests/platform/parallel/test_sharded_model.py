@@ -140,7 +140,7 @@ def test_two_ranks_give_the_unsplit_logits(
 
 
 def test_layout_splits_heads_by_kv_group():
-    from loraplex.platform.models.arch import ModelArch, RopeConfig
+    from loraplex.platform.arch import ModelArch, RopeConfig
     from loraplex.platform.parallel.layout import split
 
     assert [split(10, 3, r) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]

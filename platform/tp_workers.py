@@ -31,14 +31,11 @@ from typing import Any
 
 import torch
 
-from loraplex.adapters.slots import LoRASlots
 from loraplex.platform.compute_threads import use_compute_threads
 from loraplex.platform.cpu_allocator import keep_freed_memory
-from loraplex.platform.kv_cache import allocate_kv_caches
-from loraplex.platform.model_runner import ModelRunner, StepInputs
-from loraplex.platform.models.registry import load_model
+from loraplex.platform.model_runner import StepInputs
 from loraplex.platform.parallel.group import TPGroup
-from loraplex.platform.parallel.layout import TPLayout
+from loraplex.platform.rank_builder import RankSpec, build_rank
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +45,12 @@ STOP = None
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to build its shard (plain values: it crosses processes).
-    `port` is filled in by `TPWorkers.start` once rank 0's store is open."""
+    """Everything a worker needs (plain values: it crosses processes): what its rank
+    builds from, and how the group meets. `port` is filled in by `TPWorkers.start` once
+    rank 0's store is open."""
 
-    folder: str
-    dtype: torch.dtype
-    device: str
-    kernels: str
+    rank: RankSpec
     size: int
-    num_blocks: int
-    block_size: int
-    max_loras: int
-    max_lora_rank: int
     timeout_s: float
     num_threads: int
     num_cpus: float
@@ -92,11 +83,11 @@ class TPWorker:
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
         """Cheap, so rank 0 can tell "not scheduled" from "failed to load"."""
         use_compute_threads(spec.num_threads)
-        if torch.device(spec.device).type == "cpu":
+        if torch.device(spec.rank.device).type == "cpu":
             keep_freed_memory()
         self.spec = spec
         self.rank = rank
-        self.device = torch.device(spec.device)
+        self.device = torch.device(spec.rank.device)
 
     def setup(self) -> ShardMemory:
         """Joins the group (rank 0 joins at the same time), loads this rank's shard,
@@ -104,19 +95,7 @@ class TPWorker:
         sizes."""
         spec, rank = self.spec, self.rank
         self.group = TPGroup.connect(rank, spec.size, spec.port, self.device, spec.timeout_s)
-        model, arch = load_model(
-            spec.folder, spec.dtype, self.device, spec.kernels, rank, self.group
-        )
-        layout = TPLayout.create(arch, rank, spec.size)
-        kv_caches = allocate_kv_caches(
-            arch, spec.num_blocks, spec.block_size, spec.dtype, self.device, layout.num_kv_heads
-        )
-        slots = None
-        if spec.max_loras > 0:
-            slots = LoRASlots(
-                model.lora_targets(), spec.max_loras, spec.max_lora_rank, spec.kernels
-            )
-        self.runner = ModelRunner(model, kv_caches, spec.block_size, self.device, slots)
+        self.runner = build_rank(spec.rank, rank, self.group)
         logger.info("tensor-parallel rank %d/%d ready (pid %d)", rank, spec.size, os.getpid())
         return self.memory()
 
@@ -147,7 +126,8 @@ def _wait_started(actors: list[Any], spec: WorkerSpec) -> None:
     try:
         ray.get([actor.__ray_ready__.remote() for actor in actors], timeout=spec.timeout_s)
     except GetTimeoutError:
-        need = f"{spec.num_cpus} CPU" + (" and 1 GPU" if spec.device.startswith("cuda") else "")
+        gpu = " and 1 GPU" if spec.rank.device.startswith("cuda") else ""
+        need = f"{spec.num_cpus} CPU{gpu}"
         raise RuntimeError(
             f"tensor-parallel workers did not start within {spec.timeout_s:.0f}s: each of "
             f"the {spec.size - 1} worker(s) needs {need} (worker_num_cpus) in this Ray cluster"
@@ -184,7 +164,7 @@ class TPWorkers:
         actors = []
         for rank in range(1, spec.size):
             options: dict[str, Any] = {"num_cpus": spec.num_cpus, "max_restarts": 0}
-            if spec.device.startswith("cuda"):
+            if spec.rank.device.startswith("cuda"):
                 options["num_gpus"] = 1
             if placement_group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -194,7 +174,7 @@ class TPWorkers:
         try:
             _wait_started(actors, spec)
             setups = [actor.setup.remote() for actor in actors]
-            device = torch.device(spec.device)
+            device = torch.device(spec.rank.device)
             group = TPGroup.connect(0, spec.size, store.port, device, spec.timeout_s, store)
             # Shard sizes are fixed once loaded; `run` then keeps each actor busy.
             memory = ray.get(setups, timeout=max(spec.timeout_s, 600.0))

@@ -60,7 +60,6 @@ from loraplex.deployments.metrics import (
     ProcessMemory,
     render_prometheus,
 )
-from loraplex.deployments.model_server import GenerateCall, GenerateError, StreamStep
 from loraplex.deployments.openapi import openapi_document
 from loraplex.deployments.protocol import (
     AdapterCard,
@@ -88,6 +87,7 @@ from loraplex.deployments.tenants import (
     bearer_digest,
 )
 from loraplex.deployments.tool_calls import ToolCalling
+from loraplex.deployments.wire import GenerateCall, GenerateError, StreamStep
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -57,10 +56,11 @@ from loraplex.deployments.admission import AdmissionControl
 from loraplex.deployments.autoscaling import ADAPTERS_IN_DEMAND, HOST_ADAPTER_CAPACITY
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
 from loraplex.deployments.config import ModelDeploymentConfig, model_deployment_name
-from loraplex.deployments.logprobs import TokenLogprob, TokenTexts
+from loraplex.deployments.logprobs import TokenTexts
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics, ProcessMemory
 from loraplex.deployments.residency import HEARTBEAT_S, PUBLISH_PERIOD_S, ReplicaResidency
+from loraplex.deployments.wire import GenerateCall, GenerateError, StreamDelta, StreamStep
 from loraplex.platform.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -70,88 +70,14 @@ from loraplex.platform.async_engine import (
     Supervision,
 )
 from loraplex.platform.failpoints import FAILPOINTS
-from loraplex.platform.request import RequestOutput, SamplingParams
+from loraplex.platform.request import RequestOutput
+from loraplex.platform.request_limits import fit_request
 
 logger = logging.getLogger(__name__)
 STATS_PERIOD_S = 2.0
 OVERLOADED = "overloaded"
 RETRY_ELSEWHERE_S = 2
 """Retry-After of a request that a dead, stalled or stopping replica ended."""
-
-
-@dataclass(frozen=True)
-class GenerateCall:
-    """One request as the ingress forwards it; the adapter travels as the Serve
-    multiplexed model id (`AdapterEntry.model_id`), "" for the base model."""
-
-    request_id: str
-    params: SamplingParams
-    prompt: str | list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
-    """Chat messages as the chat template reads them (`ChatMessage.for_template`)."""
-    tenant: str = ""
-    tenant_weight: float = 1.0
-    """The tenant's fair-share weight (the engine's `fair` policy and admission)."""
-    adapter: str | None = None
-    """Public adapter id ('base:name') for logs and metrics."""
-    max_tokens_given: bool = True
-    """False: `params.max_tokens` is a default, shortened to what the context has room
-    for. True: a request that cannot fit it is refused (400)."""
-    max_request_tokens: int | None = None
-    """The tenant's tokens-per-minute budget: a request whose worst case (prompt + n x
-    max_tokens) exceeds it can never pass and is refused (400)."""
-    cache_salt: str | None = None
-    """Prefix-cache namespace (the tenant); None shares the cache with every caller."""
-    received_at: float | None = None
-    """`time.time()` when the ingress received the request: time spent queued before
-    the replica counts toward its admission wait (None: not known)."""
-    echo: bool = False
-    """The first step carries the prompt's text (`StreamStep.echo_text`)."""
-    tools: list[dict[str, Any]] | None = None
-    """Function definitions the chat template gets (chat requests with `tools`); the
-    first step then says how the model writes tool calls (`tool_call_format`)."""
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """What one completion gained since the previous delta."""
-
-    index: int
-    text: str
-    num_new_tokens: int
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class StreamStep:
-    prompt_tokens: int
-    deltas: list[StreamDelta]
-    worst_case_tokens: int = 0
-    """prompt + n x max_tokens as the engine runs it: what the ingress keeps reserved
-    against the tenant's token budget until the request ends."""
-    cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache (the caller's own namespace)."""
-    echo_text: str | None = None
-    """The prompt's text, on the first step of a call that asked for `echo`."""
-    tool_call_format: str | None = None
-    """On the first step of a call with tools: the tool-call format of the model's chat
-    template ('hermes'), None when it has none."""
-    prompt_logprobs: list[TokenLogprob] | None = None
-    """On the first step of a call whose params ask for prompt logprobs: every prompt
-    token, the first unscored."""
-
-
-@dataclass(frozen=True)
-class GenerateError:
-    """A refused or failed request; the first item of a stream, or its last."""
-
-    status: int
-    message: str
-    param: str | None = None
-    retry_after_s: int | None = None
-    code: str | None = None
-    """`overloaded`: refused for load (admission)."""
 
 
 class AdapterRequests:
@@ -395,7 +321,7 @@ class ModelServer:
         """What an adapter must fit on this base model; the ingress validates
         registrations against it in its own process (adapter_validation.py)."""
         lora = self.config.engine_config().lora
-        return AdapterShape(self.engine.engine.arch, lora.max_lora_rank, lora.max_loras > 0)
+        return AdapterShape(self.engine.arch, lora.max_lora_rank, lora.max_loras > 0)
 
     def arm_failpoint(
         self,
@@ -459,33 +385,6 @@ class ModelServer:
                 if failures in (1, 10) or failures % 100 == 0:
                     logger.warning("publishing residency failed (%d in a row): %r", failures, exc)
 
-    def _fit_max_tokens(self, call: GenerateCall, num_prompt_tokens: int) -> SamplingParams:
-        """Sampling params whose max_tokens fits the context (see `max_tokens_given`)."""
-        limit = self.engine.max_model_len
-        room = limit - num_prompt_tokens
-        params = call.params
-        if params.max_tokens <= room or room < 1:
-            return params
-        if call.max_tokens_given:
-            raise ValueError(
-                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens}"
-                f" prompt tokens + max_tokens {params.max_tokens} were requested"
-            )
-        return dataclasses.replace(params, max_tokens=room)
-
-    @staticmethod
-    def _worst_case_tokens(call: GenerateCall, num_prompt: int, params: SamplingParams) -> int:
-        """prompt + n x max_tokens; ValueError when that alone exceeds the tenant's budget."""
-        worst = num_prompt + params.n * params.max_tokens
-        budget = call.max_request_tokens
-        if budget is not None and worst > budget:
-            raise ValueError(
-                f"this request may use up to {worst} tokens ({num_prompt} prompt + "
-                f"{params.n} x max_tokens {params.max_tokens}), more than your "
-                f"tokens_per_minute budget of {budget}; lower n or max_tokens"
-            )
-        return worst
-
     def record_routing_stats(self) -> dict[str, Any]:
         """Where this replica's adapters sit, for the request router
         (deployments/request_router.py; Serve polls it): the multiplexed model ids in
@@ -539,11 +438,17 @@ class ModelServer:
         try:
             lora = await self._adapter_for_call()
             prompt = self.engine.prompt_ids(call.prompt, call.messages, call.tools)
-            params = self._fit_max_tokens(call, len(prompt))
-            tracker.worst_case_tokens = self._worst_case_tokens(call, len(prompt), params)
+            fitted = fit_request(
+                len(prompt),
+                call.params,
+                self.engine.limits,
+                "requested" if call.max_tokens_given else "default",
+                call.max_request_tokens,
+            )
+            tracker.worst_case_tokens = fitted.worst_case_tokens
             stream = self.engine.generate(
                 prompt,
-                params,
+                fitted.params,
                 request_id=call.request_id,
                 adapter=lora,
                 cache_salt=call.cache_salt,

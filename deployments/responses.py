@@ -13,8 +13,8 @@ from loraplex.deployments.logprobs import (
     prompt_logprobs,
     text_offsets,
 )
-from loraplex.deployments.model_server import StreamDelta, StreamStep
 from loraplex.deployments.tool_calls import ToolCallChunk, ToolCalling, ToolCallParser
+from loraplex.deployments.wire import StreamDelta, StreamStep
 
 
 def sse(payload: dict[str, Any]) -> str:

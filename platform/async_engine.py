@@ -44,9 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.adapters.peft_format import LoRAAdapter
+from loraplex.platform.arch import ModelArch
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.engine import LLMEngine
+from loraplex.platform.engine import EngineSnapshot, LLMEngine
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
+from loraplex.platform.request_limits import EngineLimits
 from loraplex.platform.thread_names import COMPUTE_THREAD_NAME, name_this_thread
 from loraplex.platform.tokenizer import apply_chat_template, encode_text, tool_call_format
 
@@ -88,25 +90,6 @@ class Supervision:
     step_watchdog_s: float | None = 120.0
     """A step (or the loop turn around it) running this long while requests are queued
     fails the engine; None: never."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    host_adapters: int
-    device_adapters: list[str]
-    engine_restarts: int
-    free_blocks: int
-    """Blocks on the pool's free list."""
-    unreferenced_blocks: int
-    """Blocks whose reference count is 0: equal to `free_blocks` unless the pool's books
-    disagree with themselves."""
-    total_blocks: int
-    block_refs: int
-    """Sum of every block's reference count (0 once no request holds a block)."""
-    num_preemptions: int
-    unfinished: bool
-    streams: int
-    shards: list[dict]
 
 
 @dataclass(frozen=True)
@@ -313,9 +296,7 @@ class AsyncEngine:
         loop and off the engine loop; `root` and `version` as in AdapterStore.load."""
         if adapter is None or isinstance(adapter, LoRAAdapter):
             return adapter
-        if self.engine.adapters is None:
-            raise ValueError("LoRA is disabled on this engine (max_loras=0)")
-        future = self.engine.adapters.load_async(adapter, name, root, version)
+        future = self.engine.load_adapter_async(adapter, name, root, version)
         return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
@@ -381,6 +362,16 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def limits(self) -> EngineLimits:
+        """What the engine can hold (platform/request_limits.py)."""
+        return self.engine.limits
+
+    @property
+    def arch(self) -> ModelArch:
+        """The base model's shape (what an adapter must fit)."""
+        return self.engine.arch
+
     def prompt_ids(
         self,
         prompt: str | Sequence[int] | None,
@@ -419,8 +410,7 @@ class AsyncEngine:
 
     def device_adapter_keys(self) -> set[bytes]:
         """Identity keys of the adapters now in the engine's LoRA slots."""
-        slots = self.engine.runner.lora_slots
-        return {adapter.key for adapter in list(slots.resident)} if slots is not None else set()
+        return self.engine.device_adapter_keys()
 
     def stats(self) -> dict[str, float]:
         """The engine's gauges and counters (LLMEngine.stats)."""
@@ -428,26 +418,12 @@ class AsyncEngine:
 
     def evict_adapter(self, folder: str | Path, version: int | None) -> None:
         """Drops an adapter's host copy (a no-op when LoRA is off or it is not held)."""
-        if self.engine.adapters is not None:
-            self.engine.adapters.evict(folder, version)
+        self.engine.evict_adapter(folder, version)
 
     def snapshot(self) -> EngineSnapshot:
-        """What the engine holds now (tests, debugging, the replica's info endpoint)."""
-        engine = self.engine
-        slots = engine.runner.lora_slots
-        return EngineSnapshot(
-            host_adapters=engine.adapters.num_cached if engine.adapters else 0,
-            device_adapters=[a.name for a in slots.resident] if slots else [],
-            engine_restarts=engine.restarts,
-            free_blocks=engine.kv_cache.pool.num_free,
-            unreferenced_blocks=sum(b.ref_count == 0 for b in engine.kv_cache.pool.blocks),
-            total_blocks=engine.kv_cache.pool.num_blocks,
-            block_refs=sum(block.ref_count for block in engine.kv_cache.pool.blocks),
-            num_preemptions=engine.scheduler.num_preemptions,
-            unfinished=engine.has_unfinished(),
-            streams=len(self._streams),
-            shards=[dataclasses.asdict(shard) for shard in engine.shard_memory()],
-        )
+        """What the engine holds now, with the streams open on it (tests, debugging, the
+        replica's info endpoint)."""
+        return dataclasses.replace(self.engine.snapshot(), streams=len(self._streams))
 
     # ---- loop thread -------------------------------------------------------------------
     def _run(

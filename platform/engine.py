@@ -8,10 +8,13 @@ request and every cached block and slot so the same engine can go on (async_engi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +40,9 @@ from loraplex.platform.output_processor import OutputProcessor
 from loraplex.platform.parallel.layout import TPLayout
 from loraplex.platform.rank_builder import RankSpec, build_rank
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
-from loraplex.platform.scheduler import Scheduler, SchedulerOutput
+from loraplex.platform.request_limits import EngineLimits, fit_request
+from loraplex.platform.scheduler import Scheduler
+from loraplex.platform.scheduler_output import SchedulerOutput
 from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
 from loraplex.platform.stop import check_stop
 from loraplex.platform.tokenizer import encode_text, eos_token_ids, load_tokenizer
@@ -50,6 +55,28 @@ from loraplex.platform.tp_workers import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What an engine holds now: adapters by tier, KV blocks, restarts."""
+
+    host_adapters: int
+    device_adapters: list[str]
+    engine_restarts: int
+    free_blocks: int
+    """Blocks on the pool's free list."""
+    unreferenced_blocks: int
+    """Blocks whose reference count is 0: equal to `free_blocks` unless the pool's books
+    disagree with themselves."""
+    total_blocks: int
+    block_refs: int
+    """Sum of every block's reference count (0 once no request holds a block)."""
+    num_preemptions: int
+    unfinished: bool
+    shards: list[dict]
+    streams: int = 0
+    """Streams open on the engine (AsyncEngine's; 0 for the engine alone)."""
 
 
 class LLMEngine:
@@ -356,16 +383,12 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: it must contain at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
-                "(prompt plus at least one generated token must fit)"
-            )
+        fit_request(len(token_ids), params, self.limits)
         vocab = self.arch.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        self.check_fits_model(params, len(token_ids))
+        self._check_ids_in_vocab(params)
         if not tenant_weight > 0:
             raise ValueError(f"tenant_weight must be > 0, got {tenant_weight}")
         salt = cache_salt.encode() if cache_salt is not None else None
@@ -410,9 +433,13 @@ class LLMEngine:
         compile. Thread-safe: AsyncEngine calls it off the engine loop."""
         return self.grammars.compile(spec, tenant)
 
-    def check_fits_model(self, params: SamplingParams, num_prompt_tokens: int) -> None:
-        """ValueError unless the model can represent `params` and the KV cache can hold
-        the request's worst case (its n completions at full length) at once."""
+    @property
+    def limits(self) -> EngineLimits:
+        """What this engine can hold (platform/request_limits.py fits requests to it)."""
+        return EngineLimits(self.max_model_len, self.num_blocks, self.config.cache.block_size)
+
+    def _check_ids_in_vocab(self, params: SamplingParams) -> None:
+        """ValueError unless the model's vocabulary has every token id `params` name."""
         vocab = self.arch.vocab_size
         if params.top_k > vocab:
             raise ValueError(
@@ -424,17 +451,6 @@ class LLMEngine:
         bad_bias = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad_bias:
             raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad_bias[:5]}")
-        size = self.config.cache.block_size
-        full_length = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-        shared_prompt_blocks = num_prompt_tokens // size
-        per_child = -(-full_length // size) - shared_prompt_blocks
-        needed = shared_prompt_blocks + params.n * per_child
-        if needed > self.num_blocks:
-            raise ValueError(
-                f"this request needs up to {needed} KV cache blocks ({params.n} completions of up "
-                f"to {full_length} tokens, block size {size}), more than the "
-                f"{self.num_blocks} the cache holds; lower n or max_tokens"
-            )
 
     def add_group(self, group: list[Request]) -> None:
         group_id = group[0].group_id
@@ -483,9 +499,9 @@ class LLMEngine:
         except AdapterActivationError as exc:
             logger.error("%s; failing its requests", exc)
             return self._fail_adapter(output, exc)
-        for request_id, logprobs in result.prompt_logprobs.items():
-            self.scheduler.requests[request_id].prompt_logprobs.extend(logprobs)
-        updated = self.scheduler.update(output, result.sampled, result.failed)
+        updated = self.scheduler.update(
+            output, result.sampled, result.failed, result.prompt_logprobs
+        )
         for request in updated:
             if request.failure is not None:
                 logger.warning("request %s failed: %s", request.request_id, request.failure.message)
@@ -543,6 +559,46 @@ class LLMEngine:
         """Speculative decoding's acceptance counters since the engine warmed up (all 0
         with it off); resets keep them."""
         return self._spec_stats
+
+    def load_adapter_async(
+        self,
+        adapter: str | Path,
+        name: str | None = None,
+        root: Path | None = None,
+        version: int | None = None,
+    ) -> Future[LoRAAdapter]:
+        """Loads an adapter into the host tier on the store's threads (AdapterStore.load);
+        ValueError with LoRA off."""
+        if self.adapters is None:
+            raise ValueError("LoRA is disabled on this engine (max_loras=0)")
+        return self.adapters.load_async(adapter, name, root, version)
+
+    def evict_adapter(self, folder: str | Path, version: int | None) -> None:
+        """Drops an adapter's host copy (a no-op when LoRA is off or it is not held)."""
+        if self.adapters is not None:
+            self.adapters.evict(folder, version)
+
+    def device_adapter_keys(self) -> set[bytes]:
+        """Identity keys of the adapters now in the LoRA slots."""
+        slots = self.runner.lora_slots
+        return {adapter.key for adapter in list(slots.resident)} if slots is not None else set()
+
+    def snapshot(self) -> EngineSnapshot:
+        """What the engine holds now (AsyncEngine.snapshot adds its open streams)."""
+        pool = self.kv_cache.pool
+        slots = self.runner.lora_slots
+        return EngineSnapshot(
+            host_adapters=self.adapters.num_cached if self.adapters else 0,
+            device_adapters=[a.name for a in slots.resident] if slots else [],
+            engine_restarts=self.restarts,
+            free_blocks=pool.num_free,
+            unreferenced_blocks=sum(b.ref_count == 0 for b in pool.blocks),
+            total_blocks=pool.num_blocks,
+            block_refs=sum(block.ref_count for block in pool.blocks),
+            num_preemptions=self.scheduler.num_preemptions,
+            unfinished=self.has_unfinished(),
+            shards=[dataclasses.asdict(shard) for shard in self.shard_memory()],
+        )
 
     def stats(self) -> dict[str, float]:
         kv = self.kv_cache

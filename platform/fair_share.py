@@ -14,7 +14,7 @@ already active, so an idle stretch does not buy it a burst that starves the othe
 With one tenant (offline use, or a single-team deployment) the order is plain FCFS.
 
 Places: when the batch is full, `place_move` says which waiting tenant takes a place
-from which running tenant (max-min fair places per weight; the scheduler's docstring).
+from which running tenant (max-min fair places per weight; platform/scheduling_policy.py).
 
 Semantics: counters are floats in tokens / weight; `charge(tenant, tokens, weight)`
 adds `tokens / weight`; `activate(tenant, active)` lifts; `next_tenant(heads)` picks;

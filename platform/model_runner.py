@@ -68,7 +68,7 @@ from loraplex.platform.prompt_logprobs import (
 )
 from loraplex.platform.request import Logprob, Request, RequestFailure
 from loraplex.platform.sampler import Sampler, SamplerOutput, SamplingBatch
-from loraplex.platform.scheduler import ScheduledRequest, SchedulerOutput
+from loraplex.platform.scheduler_output import ScheduledRequest, SchedulerOutput
 from loraplex.platform.spec_decode import num_accepted
 
 logger = logging.getLogger(__name__)

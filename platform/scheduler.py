@@ -19,19 +19,10 @@ budget left and the free KV blocks (drafts never preempt and never take budget f
 another request's tokens); after the step the scheduler books how many were accepted
 and returns the blocks that only rejected drafts used.
 
-Fair share (`policy: fair`, platform/fair_share.py): waiting requests are admitted
-from the tenant with the fewest weighted tokens served (FCFS within a tenant); the
-scheduler charges each tenant its computed prompt tokens at admission and its sampled
-tokens after each step. When the batch is full, a waiting tenant may take a place from
-the running tenant holding the most places per weight, as long as it then still holds
-no more places per weight than that tenant (max-min fair places: a move is never
-undone by the reverse move, so places do not churn). The place goes to the claimant's
-head request this step; the donor's request with the least computed work is preempted
-(its full blocks stay in the prefix cache for its recompute). A waiting tenant with no
-prompt under way has its head request start in a free place first, and the step keeps
-its prompt's tokens (and the claimants') from running requests' prefill chunks. A
-light tenant's request thus starts at the next step, neither after a heavy tenant's
-request ends nor after its long prompt.
+Who is served first is a policy object's (platform/scheduling_policy.py): the waiting
+queue's order under `fcfs` and `priority`; under `fair`, tenant fair share, whose hooks
+also start claimants of reclaimed places and tenants' head requests ahead of running
+prefill chunks. The scheduler is FCFS plus those hooks.
 
 LoRA: at most `max_loras` distinct adapters run at once (one device slot each). When
 the request the policy serves next (the queue's head; under `fair`, the head of the
@@ -52,90 +43,16 @@ passed over for the next tenant's in the free places.
 
 from __future__ import annotations
 
-import bisect
-import functools
 import itertools
-from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 
 from loraplex.platform.config import SchedulerConfig
-from loraplex.platform.fair_share import FairShare, tenant_queues
 from loraplex.platform.kv_cache_manager import KVCacheManager
-from loraplex.platform.request import Request, RequestFailure, RequestStatus
+from loraplex.platform.request import Logprob, Request, RequestFailure, RequestStatus
+from loraplex.platform.scheduler_output import ScheduledRequest, SchedulerOutput
+from loraplex.platform.scheduling_policy import policy_for
 from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int
-    """Known tokens (prompt or generated) this step computes."""
-    block_ids: list[int]
-    draft_token_ids: list[int] = field(default_factory=list)
-    """Speculative tokens computed after the newest known token (platform/spec_decode.py);
-    only on a decode (num_tokens == 1)."""
-
-    @property
-    def num_query_tokens(self) -> int:
-        """Tokens this request puts through the model this step: known ones, then drafts."""
-        return self.num_tokens + len(self.draft_token_ids)
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens (a new token follows)."""
-        req = self.request
-        return req.num_computed_tokens + self.num_tokens == req.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    block_copies: list[tuple[int, int]]
-    forks: dict[str, list[Request]] = field(default_factory=dict)
-    """request id of child 0 -> siblings that sample from its logits this step."""
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        """Query tokens of the step, drafts included (what the token budget bounds)."""
-        return sum(s.num_query_tokens for s in self.scheduled)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
-
-
-class WaitingQueue:
-    """Requests ordered by (priority, arrival); FCFS when priorities are equal. A sorted
-    list: arrivals append at the tail, admission iterates from the head."""
-
-    def __init__(self, use_priority: bool) -> None:
-        self._use_priority = use_priority
-        self._entries: list[tuple[int, float, int, Request]] = []
-        self._order = itertools.count()
-
-    def push(self, request: Request) -> None:
-        priority = request.priority if self._use_priority else 0
-        entry = (priority, request.arrival_time, next(self._order), request)
-        bisect.insort(self._entries, entry, key=lambda e: e[:3])
-
-    def remove(self, request: Request) -> None:
-        self.remove_all({id(request)})
-
-    def remove_all(self, request_ids: set[int]) -> None:
-        """Drops the requests whose `id()` is in `request_ids`."""
-        self._entries = [e for e in self._entries if id(e[3]) not in request_ids]
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __iter__(self):
-        return iter([entry[3] for entry in self._entries])
-
-
-def _adapter_keys(requests: Sequence[Request]) -> set[bytes]:
-    return {r.adapter_key for r in requests if r.adapter_key is not None}
+from loraplex.platform.waiting_queue import WaitingQueue
 
 
 class Scheduler:
@@ -161,10 +78,8 @@ class Scheduler:
         self.fork_waiting: dict[str, list[Request]] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.fair_share = FairShare() if config.policy == "fair" else None
-        """Virtual token counters per tenant (None unless the policy is `fair`)."""
-        self._tenant_requests: Counter[str] = Counter()
-        """Unfinished requests per tenant (the active tenants)."""
+        self.policy = policy_for(config.policy)
+        """Who is served first (platform/scheduling_policy.py)."""
         self.slot_gate: Request | None = None
         """The waiting request no other adapter request may start before (module
         docstring), or None."""
@@ -172,10 +87,7 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------
     def add(self, group: list[Request]) -> None:
         """Queues a request group (n children sharing a prompt)."""
-        tenant = group[0].tenant
-        if self.fair_share is not None and not self._tenant_requests[tenant]:
-            self.fair_share.activate(tenant, +self._tenant_requests)
-        self._tenant_requests[tenant] += len(group)
+        self.policy.added(group)
         for request in group:
             self.requests[request.request_id] = request
         self.waiting.push(group[0])
@@ -200,8 +112,8 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
 
         self._open_slot_gate()
-        claimants = self._reclaim_places(preempted)
-        first = claimants + self._prefill_heads(claimants)
+        first = self.policy.first_to_start(self, preempted)
+        reclaimed = len(preempted)
         reserve = min(budget, sum(r.num_uncomputed_tokens for r in first))
         self.running.sort(key=self._rank)
         for request in sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1):
@@ -215,7 +127,7 @@ class Scheduler:
                 continue
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 # A lower-ranked decode scheduled earlier in this loop can be the victim
                 # of a prefill chunk after it: it leaves the step and gives back its tokens.
@@ -230,7 +142,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new, []))
             budget -= num_new
 
-        if len(preempted) == len(claimants):  # nothing lost its blocks to a full cache
+        if len(preempted) == reclaimed:  # nothing lost its blocks to a full cache
             budget = self._admit_waiting(scheduled, budget, first)
         if self.proposer is not None:
             self._add_drafts(scheduled, budget)
@@ -258,11 +170,11 @@ class Scheduler:
         adapter holds no slot (it may find a free one at once)."""
         if self.slot_gate is not None:
             return
-        head = next(self._waiting_order(), None)
+        head = next(self.policy.waiting_order(self.waiting), None)
         if head is not None and head.adapter_key not in self.running_adapters() | {None}:
             self.slot_gate = head
 
-    def _finds_slot(self, request: Request, adapters: set[bytes], gate: Request | None) -> bool:
+    def finds_slot(self, request: Request, adapters: set[bytes], gate: Request | None) -> bool:
         """Whether `request` may start as far as adapter slots go, `adapters` being the
         ones held: a base-model request always; while `gate` waits, no other request
         with an adapter; else one whose adapter holds a slot or finds a free one."""
@@ -273,83 +185,7 @@ class Scheduler:
             return False
         return key in adapters or len(adapters) < self.max_loras
 
-    def _reclaim_places(self, preempted: list[Request]) -> list[Request]:
-        """Under `fair` with a full batch, before the step is filled: moves places from
-        over-served running tenants to waiting ones (module docstring), preempting one
-        donor request per move into `preempted`. Returns the claimants' head requests,
-        which admission takes first."""
-        if (
-            self.fair_share is None
-            or not len(self.waiting)
-            or len(self.running) < self.config.max_num_seqs
-        ):
-            return []
-        places: Counter[str] = Counter(r.tenant for r in self.running)
-        weights = {r.tenant: r.tenant_weight for r in self.running}
-        queues = tenant_queues(self.waiting)
-        for tenant, queue in queues.items():
-            weights.setdefault(tenant, queue[0].tenant_weight)
-        adapters = self.running_adapters()
-        gate = self.slot_gate
-        claimants: list[Request] = []
-        while len(self.running) + len(claimants) >= self.config.max_num_seqs:
-            heads = {tenant: queue[0] for tenant, queue in queues.items() if queue}
-            may_start = functools.partial(self._finds_slot, adapters=adapters, gate=gate)
-            move = self.fair_share.place_move(places, weights, heads, may_start)
-            if move is None:
-                break
-            claimant, donor = move
-            victim = min(
-                (r for r in self.running if r.tenant == donor),
-                key=lambda r: (r.num_computed_tokens, -r.arrival_time),
-            )
-            self._preempt(victim)
-            preempted.append(victim)
-            places[donor] -= 1
-            places[claimant] += 1
-            claimants.append(queues[claimant].popleft())
-            adapters = self.running_adapters() | _adapter_keys(claimants)
-            if claimants[-1] is gate:
-                gate = None
-        return claimants
-
-    def _prefill_heads(self, claimants: list[Request]) -> list[Request]:
-        """Under `fair`, as many as there are free places: the slot gate if it finds a
-        slot, then the head request of each other waiting tenant that has no prompt
-        being computed (no running request with prompt tokens left) and no claimant,
-        lowest counter first, passing over a head that may not start (`_finds_slot`)
-        or whose first chunk's KV blocks are not free now (`_fits_now`).
-        They start this step ahead of running requests' prefill chunks: each tenant
-        gets one prompt under way before another tenant's long prompt takes the whole
-        step."""
-        free = self.config.max_num_seqs - len(self.running) - len(claimants)
-        if self.fair_share is None or not len(self.waiting) or free <= 0:
-            return []
-        adapters = self.running_adapters() | _adapter_keys(claimants)
-        gate = None if any(r is self.slot_gate for r in claimants) else self.slot_gate
-        picked: list[Request] = []
-        if gate is not None and self._finds_slot(gate, adapters, gate) and self._fits_now(gate):
-            picked.append(gate)
-            gate = None
-        busy = {r.tenant for r in self.running if r.num_uncomputed_tokens > 1}
-        busy |= {r.tenant for r in claimants + picked}
-        heads: dict[str, Request] = {}
-        for request in self.waiting:
-            if request.tenant not in busy:
-                heads.setdefault(request.tenant, request)
-        for tenant in sorted(
-            heads, key=lambda t: (self.fair_share.counter(t), heads[t].arrival_time)
-        ):
-            if len(picked) >= free:
-                break
-            head = heads[tenant]
-            if self._finds_slot(head, adapters | _adapter_keys(picked), gate) and self._fits_now(
-                head
-            ):
-                picked.append(head)
-        return picked
-
-    def _fits_now(self, request: Request) -> bool:
+    def fits_now(self, request: Request) -> bool:
         """Whether the KV cache has the blocks for a waiting request's first chunk now. A
         head that does not fit is not given the step's budget ahead of running prefill
         chunks: those may be what must finish (and free their blocks) before it fits."""
@@ -363,18 +199,20 @@ class Scheduler:
         self, scheduled: list[ScheduledRequest], budget: int, first: Sequence[Request] = ()
     ) -> int:
         """Admits waiting requests while places, budget and KV blocks allow: `first`
-        (claimants of reclaimed places, then `_prefill_heads`), then the queue's order."""
+        (the policy's `first_to_start`), then the policy's waiting order."""
         chunked = self.config.enable_chunked_prefill
         adapters = self.running_adapters()
         gate = self.slot_gate
         admitted: set[int] = set()
         leading = {id(request) for request in first}
-        order = itertools.chain(first, (r for r in self._waiting_order() if id(r) not in leading))
+        order = itertools.chain(
+            first, (r for r in self.policy.waiting_order(self.waiting) if id(r) not in leading)
+        )
         for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             key = request.adapter_key
-            if not self._finds_slot(request, adapters, gate):
+            if not self.finds_slot(request, adapters, gate):
                 if gate is None:
                     gate = request  # for this step: the adapter requests after it wait
                 continue
@@ -396,24 +234,13 @@ class Scheduler:
             request.num_computed_tokens = len(cached) * self.kv_cache.block_size
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = request.num_computed_tokens
-                self._charge(request, request.num_tokens - request.num_computed_tokens)
+                self.policy.charge(request, request.num_tokens - request.num_computed_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, []))
             budget -= num_new
         self.waiting.remove_all(admitted)
         return budget
-
-    def _waiting_order(self) -> Iterator[Request]:
-        """Waiting requests in admission order: the queue's, or under `fair` the
-        lowest-counter tenant's head each time (`FairShare.order`)."""
-        if self.fair_share is None:
-            return iter(self.waiting)
-        return self.fair_share.order(self.waiting)
-
-    def _charge(self, request: Request, tokens: int) -> None:
-        if self.fair_share is not None:
-            self.fair_share.charge(request.tenant, tokens, request.tenant_weight)
 
     def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         """Gives decodes of speculating requests their drafts, last, from what the step
@@ -429,7 +256,7 @@ class Scheduler:
                 item.draft_token_ids = drafts
                 budget -= len(drafts)
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
         self.kv_cache.forget_hashes(request)
@@ -445,8 +272,10 @@ class Scheduler:
         output: SchedulerOutput,
         sampled: Mapping[str, Sequence[tuple[int, object]]],
         failed: dict[str, RequestFailure] | None = None,
+        prompt_logprobs: Mapping[str, Sequence[Logprob]] | None = None,
     ) -> list[Request]:
-        """Advances computed counts, forks siblings, appends each request's first new
+        """Books the step's scored prompt positions (`prompt_logprobs` per request id),
+        advances computed counts, forks siblings, appends each request's first new
         token and ends the groups whose step `failed` (each with that failure). Returns
         the requests that got a new token or failed this step. Whether a request with a
         new token stops is `check_stop`'s to say (platform/stop.py); the engine then
@@ -458,6 +287,8 @@ class Scheduler:
         past the request's tokens go back to the pool (rollback), and the spec-decode
         counters advance. The engine appends the tokens after the first one by one,
         stopping at the first that ends the request."""
+        for request_id, logprobs in (prompt_logprobs or {}).items():
+            self.requests[request_id].prompt_logprobs.extend(logprobs)
         for item in output.scheduled:
             item.request.num_computed_tokens += item.num_tokens
             if item.draft_token_ids:
@@ -480,7 +311,7 @@ class Scheduler:
             if request is None:
                 continue  # its group failed this step
             request.append_output_token(*tokens[0])
-            self._charge(request, len(tokens))
+            self.policy.charge(request, len(tokens))
             updated.append(request)
         return updated
 
@@ -509,11 +340,7 @@ class Scheduler:
             self.slot_gate = None
         self.kv_cache.free(request, uncache=status is RequestStatus.FINISHED_ERROR)
         if self.requests.pop(request.request_id, None) is not None:
-            self._tenant_requests[request.tenant] -= 1
-            if self._tenant_requests[request.tenant] <= 0:
-                del self._tenant_requests[request.tenant]
-                if self.fair_share is not None and not self._tenant_requests:
-                    self.fair_share.clear()
+            self.policy.ended(request)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
         for sibling in self.fork_waiting.pop(request.request_id, ()):

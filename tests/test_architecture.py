@@ -217,6 +217,11 @@ WRITTEN_ONCE = {
         "kernels/selection.py",
     ),
     "the step every rank runs": (r"\.compute_logits\(", "platform/model_runner.py"),
+    "fitting max_tokens to a request's limits": (
+        r"replace\(\s*params,\s*max_tokens=",
+        "platform/request_limits.py",
+    ),
+    "a request's worst case": (r"params\.n \* params\.max_tokens", "platform/request_limits.py"),
     "how a rank is built": (
         r"(?<!def )(load_model|allocate_kv_caches)\(|ModelRunner\(",
         "platform/rank_builder.py",
@@ -285,3 +290,32 @@ def test_constructors_construct():
         str(path.relative_to(ROOT)) for path in sources if "__new__(" in path.read_text()
     )
     assert bypasses == []
+
+
+def test_the_scheduler_is_fcfs_plus_policy_hooks():
+    """platform/scheduler.py stays small and policy-free (who goes first is
+    platform/scheduling_policy.py's), and it alone writes its requests."""
+    source = (ROOT / "platform" / "scheduler.py").read_text()
+    assert len(source.splitlines()) <= 400
+    assert "fair_share" not in source and "FairShare" not in source
+    sources = [path for folder in DOCUMENTED for path in (ROOT / folder).rglob("*.py")]
+    writers = sorted(
+        str(path.relative_to(ROOT))
+        for path in sources
+        if re.search(r"scheduler\.requests\[[^\]]+\]\.", path.read_text())
+    )
+    assert writers == []
+
+
+def test_the_async_engine_uses_the_engines_api_only():
+    """AsyncEngine (and the serving layer through it) calls LLMEngine's methods: no reach
+    into its runner, KV cache, scheduler, adapter store or output processor."""
+    reaches = re.compile(r"\bengine\.(runner|kv_cache|scheduler|adapters|outputs)\b")
+    sources = [ROOT / "platform" / "async_engine.py", *(ROOT / "deployments").rglob("*.py")]
+    found = sorted(
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sources
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if reaches.search(line)
+    )
+    assert found == []

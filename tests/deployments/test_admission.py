@@ -214,12 +214,8 @@ def test_a_slow_model_server_refuses_what_it_cannot_start_and_finishes_the_rest(
     are refused at once with Retry-After; the two complete, and an idle server admits
     again a request that waited long before it reached the replica."""
     from loraplex.deployments.config import ModelDeploymentConfig
-    from loraplex.deployments.model_server import (
-        GenerateCall,
-        GenerateError,
-        LocalPlace,
-        ModelServer,
-    )
+    from loraplex.deployments.model_server import LocalPlace, ModelServer
+    from loraplex.deployments.wire import GenerateCall, GenerateError
     from loraplex.platform.failpoints import FAILPOINTS
     from loraplex.platform.request import SamplingParams
 

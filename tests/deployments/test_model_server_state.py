@@ -12,9 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from loraplex.deployments import model_server
 from loraplex.deployments.catalog import AdapterEntry
-from loraplex.deployments.model_server import AdapterRequests, ModelServer, ResidentAdapter
+from loraplex.deployments.model_server import (
+    AdapterRequests,
+    LocalPlace,
+    ModelServer,
+    ResidentAdapter,
+)
 
 CAPACITY = 4
 WINDOW_S = 60.0
@@ -45,13 +49,22 @@ class Cache:
         return self.held[model_id]
 
 
+class CallPlace(LocalPlace):
+    """A local replica whose current call names `current[0]` as its model id."""
+
+    def __init__(self, current: list[str]) -> None:
+        self.current = current
+
+    def multiplexed_model_id(self) -> str:
+        return self.current[0]
+
+
 @pytest.fixture
-def server(monkeypatch):
+def server():
     """A ModelServer with only its adapter state (building one needs Serve)."""
     current = [""]
-    monkeypatch.setattr(model_server, "_in_serve", lambda: True)
-    monkeypatch.setattr(model_server.serve, "get_multiplexed_model_id", lambda: current[0])
     server = ModelServer.__new__(ModelServer)
+    server.place = CallPlace(current)
     server._resident_keys = {}
     server._requests = AdapterRequests(WINDOW_S)
     server._resident = Cache(server)

@@ -11,7 +11,8 @@ import asyncio
 import pytest
 
 from loraplex.deployments.config import ModelDeploymentConfig
-from loraplex.deployments.model_server import GenerateCall, GenerateError, LocalPlace, ModelServer
+from loraplex.deployments.model_server import LocalPlace, ModelServer
+from loraplex.deployments.wire import GenerateCall, GenerateError
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.request import SamplingParams
 

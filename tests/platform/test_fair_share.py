@@ -77,9 +77,9 @@ def test_counters_last_while_a_tenant_is_active_and_go_when_all_are_idle():
     scheduler.add(make_group("a0", [1, 2, 3], max_tokens=3, tenant="a"))
     scheduler.add(make_group("b0", [1, 2, 3], max_tokens=3, tenant="b"))
     admissions(scheduler, 4)  # a0 done (prompt step + 2 decodes), b0 running
-    assert scheduler.num_unfinished and set(scheduler.fair_share.counters()) == {"a", "b"}
+    assert scheduler.num_unfinished and set(scheduler.policy.fair_share.counters()) == {"a", "b"}
     admissions(scheduler, 100)
-    assert not scheduler.num_unfinished and scheduler.fair_share.counters() == {}
+    assert not scheduler.num_unfinished and scheduler.policy.fair_share.counters() == {}
 
 
 def test_weights_split_the_places_in_their_ratio():

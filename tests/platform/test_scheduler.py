@@ -19,6 +19,7 @@ from loraplex.platform.config import SchedulerConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request, RequestStatus, SamplingParams
 from loraplex.platform.scheduler import Scheduler
+from loraplex.platform.scheduling_policy import FairSharePolicy
 from loraplex.platform.stop import check_stop
 
 BLOCK = 4
@@ -330,8 +331,8 @@ def test_random_add_abort_step_keeps_invariants(
     assert scheduler.kv_cache.pool.num_free == num_blocks
     assert not scheduler.running and not len(scheduler.waiting) and not scheduler.fork_waiting
     assert scheduler.slot_gate is None
-    if scheduler.fair_share is not None:
-        assert scheduler.fair_share.counters() == {}, "idle tenants' counters were kept"
+    if isinstance(scheduler.policy, FairSharePolicy):
+        assert scheduler.policy.fair_share.counters() == {}, "idle tenants' counters were kept"
 
 
 LORA_PROMPT = 8
@@ -350,12 +351,12 @@ def policy_head(scheduler):
     if scheduler.slot_gate is not None:
         return scheduler.slot_gate
     waiting = list(scheduler.waiting)
-    if not waiting or scheduler.fair_share is None:
+    if not waiting or not isinstance(scheduler.policy, FairSharePolicy):
         return waiting[0] if waiting else None
     heads = {}
     for request in waiting:
         heads.setdefault(request.tenant, request)
-    tenant = scheduler.fair_share.next_tenant({t: r.arrival_time for t, r in heads.items()})
+    tenant = scheduler.policy.fair_share.next_tenant({t: r.arrival_time for t, r in heads.items()})
     return heads[tenant]
 
 

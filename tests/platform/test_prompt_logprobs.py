@@ -98,13 +98,13 @@ def test_a_preemption_in_the_middle_of_the_prompt_scores_each_token_once(base, m
     from loraplex.platform.scheduler import Scheduler
 
     seen: list[tuple[str, int]] = []
-    preempt = Scheduler._preempt
+    preempt = Scheduler.preempt
 
     def recording_preempt(self, request):
         seen.append((request.request_id, len(request.prompt_logprobs)))
         preempt(self, request)
 
-    monkeypatch.setattr(Scheduler, "_preempt", recording_preempt)
+    monkeypatch.setattr(Scheduler, "preempt", recording_preempt)
     rng = random.Random(13)
     long_decode = [rng.randrange(512) for _ in range(100)]
     scored = [rng.randrange(512) for _ in range(70)]

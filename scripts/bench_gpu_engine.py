@@ -241,11 +241,13 @@ def bench_model(
     spread = [names[i % len(names)] for i in range(len(batch))]
     llm.generate(batch[:4], fixed_length_params(4))  # warm-up, base and adapters
     llm.generate(batch[:8], fixed_length_params(4), adapters=spread[:8])
-    figures = {"engine_ready_s": ready_s}
-    for _ in range(2):  # alternating: base batch, adapter batch
+    figures: dict = {"engine_ready_s": ready_s, "adapter_ratio_rounds": []}
+    for _ in range(args.rounds):  # alternating: base batch, adapter batch
+        rates = {}
         for key, chosen in (("batch", None), ("batch_8_adapters", spread)):
-            rate = median_rate(engine_run(llm, batch, args.output_len, chosen), args.repeats)
-            figures[key] = max(figures.get(key, 0.0), rate)
+            rates[key] = median_rate(engine_run(llm, batch, args.output_len, chosen), args.repeats)
+            figures[key] = max(figures.get(key, 0.0), rates[key])
+        figures["adapter_ratio_rounds"].append(rates["batch_8_adapters"] / rates["batch"])
     for key, chosen in (("prefill", None), ("prefill_8_adapters", spread)):
         figures[key] = median_rate(engine_run(llm, batch, 1, chosen), args.repeats)
     figures["single"] = median_rate(engine_run(llm, single, args.output_len, None), args.repeats)
@@ -371,7 +373,9 @@ def summary(result: dict) -> str:
             f"{limit:.0f} tok/s bandwidth limit; single with an adapter "
             f"{f['single_adapter']:.1f}; batch {f['batch']:.1f}; batch with "
             f"{NUM_ADAPTERS} adapters {f['batch_8_adapters']:.1f} "
-            f"({f['batch_8_adapters'] / f['batch']:.2f}x base); fp32 greedy equal to HF on "
+            f"({f['batch_8_adapters'] / f['batch']:.2f}x base; per round "
+            f"{', '.join(f'{r:.2f}' for r in f.get('adapter_ratio_rounds', []))}); "
+            f"fp32 greedy equal to HF on "
             f"{f['greedy_equal']} of {f['greedy_prompts']}; engine ready in "
             f"{f['engine_ready_s']:.1f}s"
         )
@@ -390,6 +394,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating base / 8-adapter batch rounds"
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--kv-cache-gib", type=int, default=8)
     parser.add_argument("--hf", action="store_true", help="also time HF generate")

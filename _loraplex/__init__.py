@@ -1,10 +1,12 @@
 """loraplex: one fleet serving many base LLMs and thousands of per-tenant LoRA adapters.
 
-The code lives in four top-level folders mapped into this namespace by pyproject:
+The runtime lives in four top-level folders mapped into this namespace by pyproject:
 `loraplex.platform` (engine), `loraplex.adapters`, `loraplex.kernels` and
-`loraplex.deployments`. Those folders carry no `__init__.py` (`platform` is a stdlib
-module, `kernels`/`adapters` are PyPI names: an `__init__.py` there would shadow them
-whenever the repo root is on sys.path). Their public names are exported lazily here,
+`loraplex.deployments`; the tooling (benchmarks, checks, probes and the `loraplex`
+command) in a fifth, `loraplex.tools`, which the runtime never imports. Those folders
+carry no `__init__.py` (`platform` is a stdlib module, `kernels`/`adapters`/`tools` are
+PyPI names: an `__init__.py` there would shadow them whenever the repo root is on
+sys.path). Their public names are exported lazily here,
 so `from loraplex.platform import LLM, SamplingParams` works without importing torch
 until a name is used.
 """
@@ -18,7 +20,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-_SUBPACKAGES = ("platform", "adapters", "kernels", "deployments")
+_SUBPACKAGES = ("platform", "adapters", "kernels", "deployments", "tools")
 
 _EXPORTS: dict[str, dict[str, str]] = {
     "platform": {

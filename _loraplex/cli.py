@@ -1,5 +1,5 @@
-"""The `loraplex` command: the engine's commands (platform/cli.py) plus the ones that
-need the serving layer (`bench serve`, `check`), so the engine never imports deployments."""
+"""The `loraplex` command's entry point (pyproject `[project.scripts]`); the command
+itself lives with the tooling (tools/cli.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from loraplex.deployments.bench.cli import add_parser as add_serve_bench
-    from loraplex.deployments.check.cli import add_parser as add_check
-    from loraplex.platform import cli as engine_cli
+    from loraplex.tools.cli import main as run
 
-    return engine_cli.main(argv, bench_commands=[add_serve_bench], commands=[add_check])
+    return run(argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 AUTO_DTYPE = "auto"
-"""The dtype option that lets the engine choose (platform/ceiling.py `choose_dtype`)."""
+"""The dtype option that lets the engine choose (platform/dtype_choice.py)."""
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -55,9 +55,9 @@ class ModelConfig:
 
     `model` is a registered name (e.g. 'smollm2-135m-instruct') or a local folder in
     Hugging Face layout (config.json + *.safetensors + tokenizer files).
-    `dtype` is a torch dtype or 'auto': bf16 on a GPU, on a CPU the dtype whose matmuls
-    run the model fastest here (probed once per machine on the engine's compute thread,
-    then cached; platform/ceiling.py). The engine's own config holds the resolved dtype.
+    `dtype` is a torch dtype or 'auto': bf16 on a GPU, on a CPU the dtype `loraplex probe
+    dtype` recorded as fastest here, else bf16 with AMX and fp32 without
+    (platform/dtype_choice.py). The engine's own config holds the resolved dtype.
     `max_model_len` caps prompt + generated tokens; None means the model's own
     `max_position_embeddings`. `num_threads` is torch's intra-op thread count on a CPU;
     None means every core this process may run on. (Ray sets OMP_NUM_THREADS to an

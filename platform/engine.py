@@ -25,11 +25,11 @@ from loraplex.adapters.store import AdapterStore
 from loraplex.kernels.selection import kernel_backend
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.block_pool import BlockPool
-from loraplex.platform.ceiling import resolve_auto_dtype
 from loraplex.platform.compute_threads import default_compute_threads, use_compute_threads
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.cpu_allocator import keep_freed_memory, release_freed_memory
 from loraplex.platform.decode_graphs import BUCKETS, DecodeGraphs, graph_memory_estimate
+from loraplex.platform.dtype_choice import resolve_auto_dtype
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.guided import GrammarCompiler, GuidedSpec
 from loraplex.platform.kv_cache import plan_num_blocks

@@ -1,5 +1,5 @@
 """OS names for threads, so that /proc, `top -H` and py-spy tell an engine's compute
-threads from the rest of a server process (deployments/bench/cpu_breakdown.py).
+threads from the rest of a server process (tools/serve_bench/cpu_breakdown.py).
 Imports nothing heavy: the bench client reads the name too."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ COMPUTE_THREAD_NAME = "loraplex-step"
 """The OS name of the thread that steps a served engine (AsyncEngine's loop thread).
 Linux gives a new thread its creator's name, so the OpenMP workers its parallel regions
 start carry it too: `bench serve --cpu-breakdown` counts every other thread's CPU as the
-serving cost (deployments/bench/cpu_breakdown.py)."""
+serving cost (tools/serve_bench/cpu_breakdown.py)."""
 PR_SET_NAME = 15
 """prctl option that names the calling thread (at most 15 bytes, Linux)."""
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from loraplex.deployments.bench.report import first_burst_figures
-from loraplex.deployments.bench.server import ServeApp, wait_until_stopped
-from loraplex.platform.bench import cpu_model, read_loadavg
+from loraplex.tools.engine_bench.offline import cpu_model, read_loadavg
+from loraplex.tools.serve_bench.report import first_burst_figures
+from loraplex.tools.serve_bench.server import ServeApp, wait_until_stopped
 
 logger = logging.getLogger("bench_fair_share")
 

@@ -27,9 +27,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from loraplex.platform.bench import cpu_model, read_loadavg
 from loraplex.platform.llm import LLM
 from loraplex.platform.request import SamplingParams
+from loraplex.tools.engine_bench.offline import cpu_model, read_loadavg
 
 logger = logging.getLogger("bench_fair_share_engine")
 

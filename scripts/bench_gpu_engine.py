@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from loraplex.platform.bench import fixed_length_params, hf_generate_batch, read_loadavg
 from loraplex.platform.llm import LLM
+from loraplex.tools.engine_bench.offline import fixed_length_params, hf_generate_batch, read_loadavg
 
 logger = logging.getLogger("bench_gpu_engine")
 

@@ -1,5 +1,7 @@
 """The package's seams, checked from its source (ast, nothing imported):
 
+- the tooling (benchmarks, checks, probes, the CLI) lives in tools/, which the runtime
+  packages never import, and no runtime module is a benchmark, a check or a probe;
 - the dependency direction deployments -> platform -> (adapters, kernels): kernels
   import nothing of loraplex but their own package, adapters nothing of the platform
   but its config module, the platform nothing of deployments or Ray Serve, and the
@@ -20,7 +22,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("platform", "adapters", "kernels", "deployments")
+RUNTIME = ("platform", "adapters", "kernels", "deployments")
+PACKAGES = (*RUNTIME, "tools")
 DOCUMENTED = (*PACKAGES, "_loraplex")
 """Folders whose every module docs/ARCHITECTURE.md names (`_loraplex/` is the
 `loraplex` package itself)."""
@@ -29,7 +32,7 @@ PLATFORM_CONFIG = "loraplex.platform.config"
 
 
 def package_modules() -> dict[str, Path]:
-    """loraplex module name -> source file, for every module of the four packages."""
+    """loraplex module name -> source file, for every module of the packages."""
     modules = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -142,6 +145,33 @@ def test_platform_knows_no_deployments_and_no_ray_serve():
     assert violations("platform", forbidden) == []
 
 
+def test_the_runtime_never_imports_the_tooling():
+    """Serving and building an engine run no benchmark or probe: nothing in the four
+    runtime packages imports tools/ (the `dtype: auto` record is only read)."""
+    found = [v for layer in (*RUNTIME, "platform.config") for v in violations(layer, is_tooling)]
+    assert found == []
+
+
+def is_tooling(target: str) -> bool:
+    return target == "loraplex.tools" or target.startswith("loraplex.tools.")
+
+
+TOOLING_NAME = re.compile(r"(^|_)(bench|benchmark|check|probe)s?($|_)")
+
+
+def test_the_tooling_lives_outside_the_runtime_packages():
+    tooling = sorted(
+        module
+        for module in MODULES
+        if node_of(module) in (*RUNTIME, "platform.config")
+        and any(TOOLING_NAME.search(part) for part in module.split(".")[2:])
+    )
+    assert tooling == []
+    assert violations("platform", is_tooling) == [] and is_tooling("loraplex.tools.cli")
+    assert TOOLING_NAME.search("host_bench") and TOOLING_NAME.search("gemm_probe")
+    assert not TOOLING_NAME.search("checkpoint")
+
+
 def test_no_import_cycle_between_the_packages():
     graph: dict[str, set[str]] = {}
     for module, target, _, _ in EDGES:
@@ -180,7 +210,9 @@ def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
 
 
-MODULE_PATH = re.compile(r"`((?:platform|adapters|kernels|deployments|_loraplex)/[\w/]*\.py)`")
+MODULE_PATH = re.compile(
+    r"`((?:platform|adapters|kernels|deployments|tools|_loraplex)/[\w/]*\.py)`"
+)
 
 
 def documented_paths() -> set[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ray
 
-from loraplex.deployments.check import processes
+from loraplex.tools.check import processes
 
 logger = logging.getLogger(__name__)
 

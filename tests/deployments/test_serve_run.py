@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from loraplex.deployments.bench.server import default_stop_signals
+from loraplex.tools.serve_bench.server import default_stop_signals
 
 REPO = Path(__file__).resolve().parents[2]
 URL = "http://127.0.0.1:8000"

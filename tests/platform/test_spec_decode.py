@@ -430,32 +430,3 @@ def test_lora_adapters_mixed_with_base_requests(
     same_outputs(want, got)
     assert_speculated(spec)
     assert want["lora1"].token_ids != want["lora0"].token_ids
-
-
-def test_spec_bench_reports_both_workloads(folder):
-    from loraplex.platform import cli, spec_bench
-
-    args = cli.build_parser().parse_args(
-        ["bench", "offline", "--speculative", "ngram", "--num-speculative-tokens", "3"]
-    )
-    assert (args.speculative, args.num_speculative_tokens, args.rounds) == ("ngram", 3, None)
-    report = spec_bench.run_spec_bench(
-        str(folder),
-        "float32",
-        NGRAM,
-        num_requests=2,
-        prompt_len=12,
-        output_len=8,
-        rounds=1,
-        engine_options={"kv_cache_memory_bytes": 2**22},
-        use_tqdm=False,
-    )
-    assert [(r.workload, r.speculative) for r in report.runs] == [
-        ("copy-heavy", False),
-        ("copy-heavy", True),
-        ("random", False),
-        ("random", True),
-    ]
-    assert report.summary("random")["identical"] == 1.0
-    text = spec_bench.format_spec_report(report)
-    assert "copy-heavy: base" in text and "acceptance rate" in text and "loadavg" in text

@@ -1,0 +1,319 @@
+"""How fast this machine runs a model's projections: a GEMM-time probe per dtype.
+
+The engine's time on a CPU is mostly its projections (q/k/v, o, gate/up, down, LM
+head). `probe_gemm_times` times each of them, for one model's shapes, at the row counts
+(tokens per step) a workload runs, in one dtype, with the engine's thread count and
+the faster of the two matmuls the engine could use (MKL's `F.linear` and oneDNN's
+prepacked linear). Decode-sized row counts are timed in the model's order over a
+distinct weight per layer (and the LM head), so each call reads its weight from where a
+real step finds it: a shape timed alone over its layer copies can stay in a large L3
+cache and run faster than inside the model's pass.
+
+The times feed two things: the ceiling of `loraplex bench offline --ceiling`
+(`tools/engine_bench/ceiling.py`) and `dtype: auto`, which picks the dtype whose projections
+finish a reference workload first. Probes are cached as JSON under
+`$LORAPLEX_CACHE_DIR/gemm_probe/`, keyed by the CPU model and flags, torch's version,
+the thread count, the dtype and the shapes, like the native kernels' build: a cache
+shared between machines never answers for another CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels.cache_dir import cache_base
+from loraplex.kernels.cpu_matmul import PackedWeight, cpu_lacks_half_matmul
+from loraplex.kernels.cpu_ops import cpu_identity
+from loraplex.platform.arch import ModelArch
+
+logger = logging.getLogger(__name__)
+
+CPU_DTYPE_CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_CHAIN_BYTES = 2 * 2**30
+"""The streamed chain holds at most this many bytes of layer weights (a big model's
+layers are not all allocated again; this is far past any CPU's last-level cache)."""
+STREAMED_ROWS = 256
+"""Up to this many rows a projection's time depends on where its weight is read from
+(decode batches), so it is timed in the model's order over every layer's weights;
+above it the product is compute-bound (prefill chunks) and timed alone."""
+MIN_TIMED_S = 0.05
+"""Each (shape, rows) measurement repeats passes over its copies for at least this long
+in each of REPEATS windows (a quick probe, as `dtype: auto` runs, uses less)."""
+REPEATS = 3
+"""Timed windows per measurement; the fastest counts (the others met other load)."""
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One projection of the model: y [M, out] = x [M, in] @ W.T, run `count` times a
+    forward (once per layer, or once for the LM head on the sampled rows)."""
+
+    name: str
+    out_features: int
+    in_features: int
+    count: int
+
+    @property
+    def per_layer(self) -> bool:
+        return self.name != "lm_head"
+
+
+def model_projections(arch: ModelArch) -> tuple[Projection, ...]:
+    """The projections one forward runs, fused as the engine fuses them (q/k/v and
+    gate/up are one matmul each on a CPU)."""
+    qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    layers = arch.num_layers
+    return (
+        Projection("qkv", qkv_out, arch.hidden_size, layers),
+        Projection("o", arch.hidden_size, arch.num_heads * arch.head_dim, layers),
+        Projection("gate_up", 2 * arch.intermediate_size, arch.hidden_size, layers),
+        Projection("down", arch.hidden_size, arch.intermediate_size, layers),
+        Projection("lm_head", arch.vocab_size, arch.hidden_size, 1),
+    )
+
+
+def candidate_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    """The dtypes worth probing on this CPU: fp32, and bf16 / fp16 where the CPU has a
+    native matmul for them (an emulated one is ~5x slower than fp32)."""
+    if device.type != "cpu":
+        raise ValueError("the GEMM probe runs on a CPU")
+    return tuple(d for d in CPU_DTYPE_CANDIDATES if not cpu_lacks_half_matmul(d))
+
+
+@dataclass(frozen=True)
+class GemmTimes:
+    """Seconds one call of each projection takes at each probed row count, plus which
+    matmul was faster there ('mkl' or 'onednn')."""
+
+    dtype: str
+    num_threads: int
+    seconds: dict[str, dict[int, float]]
+    backend: dict[str, dict[int, str]]
+
+    def time(self, projection: str, rows: int) -> float:
+        return self.seconds[projection][rows]
+
+    def to_json(self) -> dict:
+        return {
+            "dtype": self.dtype,
+            "num_threads": self.num_threads,
+            "seconds": {p: {str(m): s for m, s in t.items()} for p, t in self.seconds.items()},
+            "backend": {p: {str(m): b for m, b in t.items()} for p, t in self.backend.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> GemmTimes:
+        return cls(
+            dtype=data["dtype"],
+            num_threads=int(data["num_threads"]),
+            seconds={
+                p: {int(m): float(s) for m, s in t.items()} for p, t in data["seconds"].items()
+            },
+            backend={p: {int(m): str(b) for m, b in t.items()} for p, t in data["backend"].items()},
+        )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _fastest_window(run_pass, calls_per_pass: int, min_timed_s: float) -> float:
+    """Seconds per call: passes repeat for `min_timed_s`, the fastest of REPEATS windows."""
+    run_pass()
+    best = float("inf")
+    for _ in range(REPEATS):
+        passes = 0
+        started = time.perf_counter()
+        while True:
+            run_pass()
+            passes += 1
+            elapsed = time.perf_counter() - started
+            if elapsed >= min_timed_s and passes >= 2:
+                break
+        best = min(best, elapsed / (passes * calls_per_pass))
+    return best
+
+
+def _weights(projection: Projection, dtype: torch.dtype, copies: int) -> list[torch.Tensor]:
+    """`copies` distinct weights of the projection's shape (one random draw, copied)."""
+    generator = torch.Generator().manual_seed(projection.out_features * 7919 + copies)
+    shape = (projection.out_features, projection.in_features)
+    base = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+    return [base] + [base.clone() for _ in range(copies - 1)]
+
+
+def _backends(weights: list[torch.Tensor]) -> dict[str, list[Callable[[torch.Tensor], object]]]:
+    """The matmuls to compare: MKL's F.linear, and oneDNN's prepacked linear where the
+    weights can be packed; each call maps x -> x @ W.T."""
+    found: dict[str, list[Callable[[torch.Tensor], object]]] = {
+        "mkl": [functools.partial(_mkl_linear, weight=w) for w in weights]
+    }
+    packed = [PackedWeight.maybe(weight) for weight in weights]
+    if all(p is not None for p in packed):
+        found["onednn"] = [functools.partial(_onednn_linear, weight=p) for p in packed]
+    return found
+
+
+def _mkl_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def _onednn_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    return weight(x, None)
+
+
+def _time_compute_bound(
+    projection: Projection, rows: int, dtype: torch.dtype, min_timed_s: float
+) -> tuple[float, str]:
+    """One projection alone over two weight copies (its weights' reads do not matter)."""
+    copies = min(2, projection.count)
+    weights = _weights(projection, dtype, copies)
+    x = torch.randn(rows, projection.in_features).to(dtype)
+    results: dict[str, float] = {}
+    for name, calls in _backends(weights).items():
+
+        def run_pass(calls=calls) -> None:
+            for call in calls:
+                call(x)
+
+        results[name] = _fastest_window(run_pass, copies, min_timed_s)
+    backend = min(results, key=results.__getitem__)
+    return results[backend], backend
+
+
+def chain_layers(projections: tuple[Projection, ...], dtype: torch.dtype) -> int:
+    """Layers the streamed chain holds: the model's, up to MAX_CHAIN_BYTES of weights."""
+    per_layer = [p for p in projections if p.per_layer]
+    if not per_layer:
+        return 0
+    layer_bytes = sum(p.out_features * p.in_features for p in per_layer) * dtype.itemsize
+    return max(1, min(per_layer[0].count, MAX_CHAIN_BYTES // layer_bytes))
+
+
+def _time_streamed(
+    projections: tuple[Projection, ...], rows: int, dtype: torch.dtype, min_timed_s: float
+) -> dict[str, tuple[float, str]]:
+    """Every projection at `rows`, called in the model's order (layer by layer, then the
+    LM head) over distinct per-layer weights, so each call reads its weight from where a
+    real step finds it. Returns name -> (seconds per call, faster backend), from each
+    backend's fastest full pass."""
+    layers = chain_layers(projections, dtype)
+    counts = {p.name: (layers if p.per_layer else 1) for p in projections}
+    inputs = {p.name: torch.randn(rows, p.in_features).to(dtype) for p in projections}
+    options = {p.name: _backends(_weights(p, dtype, counts[p.name])) for p in projections}
+    order = [(p.name, layer) for layer in range(layers) for p in projections if p.per_layer]
+    order += [(p.name, 0) for p in projections if not p.per_layer]
+    best: dict[str, tuple[float, str]] = {}
+    for backend in set.intersection(*(set(found) for found in options.values())):
+        calls = [(name, options[name][backend][index], inputs[name]) for name, index in order]
+
+        def run_pass(calls=calls) -> dict[str, float]:
+            spent = dict.fromkeys(counts, 0.0)
+            for name, call, x in calls:
+                started = time.perf_counter()
+                call(x)
+                spent[name] += time.perf_counter() - started
+            return spent
+
+        run_pass()
+        fastest = run_pass()
+        passes, deadline = 1, time.perf_counter() + min_timed_s * REPEATS
+        while passes < REPEATS or time.perf_counter() < deadline:
+            spent = run_pass()
+            passes += 1
+            if sum(spent.values()) < sum(fastest.values()):
+                fastest = spent
+        for name, total in fastest.items():
+            per_call = total / counts[name]
+            if name not in best or per_call < best[name][0]:
+                best[name] = (per_call, backend)
+    return best
+
+
+def cache_key(
+    projections: Iterable[Projection],
+    rows: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    min_timed_s: float,
+) -> str:
+    digest = hashlib.sha256()
+    parts = [
+        cpu_identity(),
+        torch.__version__,
+        str(torch.get_num_threads()),
+        dtype_name(dtype),
+        repr(sorted((p.name, p.out_features, p.in_features, p.count) for p in projections)),
+        repr(sorted(rows.items())),
+        repr(min_timed_s),
+    ]
+    for part in parts:
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:20]
+
+
+def probe_cache_dir() -> Path:
+    return cache_base() / "gemm_probe"
+
+
+def probe_gemm_times(
+    projections: tuple[Projection, ...],
+    rows: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    *,
+    min_timed_s: float | None = None,
+    use_cache: bool = True,
+) -> GemmTimes:
+    """Times every projection at its row counts (`rows[name]`) in `dtype` with torch's
+    current thread count, on the calling thread (the engine's compute thread: a probe
+    on another thread would open a second OpenMP pool, see compute_threads.py).
+
+    Semantics: result.time(name, m) = seconds for one y = x @ W.T with x [m, in] and W
+    [out, in] in `dtype`; for m <= STREAMED_ROWS measured among every layer's weights in
+    the model's order (W is in cache only where the whole model's weights fit). `min_timed_s` None means MIN_TIMED_S. Reads and writes the cache unless
+    `use_cache` is False."""
+    min_timed_s = MIN_TIMED_S if min_timed_s is None else min_timed_s
+    path = probe_cache_dir() / f"{cache_key(projections, rows, dtype, min_timed_s)}.json"
+    if use_cache and path.is_file():
+        try:
+            return GemmTimes.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            logger.warning("ignoring unreadable GEMM probe cache %s", path)
+    started = time.monotonic()
+    seconds: dict[str, dict[int, float]] = {}
+    backend: dict[str, dict[int, str]] = {}
+    for m in sorted({m for counts in rows.values() for m in counts if m <= STREAMED_ROWS}):
+        for name, (t, which) in _time_streamed(projections, m, dtype, min_timed_s).items():
+            if m in rows[name]:
+                seconds.setdefault(name, {})[m] = t
+                backend.setdefault(name, {})[m] = which
+    for projection in projections:
+        for m in rows[projection.name]:
+            if m > STREAMED_ROWS:
+                t, which = _time_compute_bound(projection, m, dtype, min_timed_s)
+                seconds.setdefault(projection.name, {})[m] = t
+                backend.setdefault(projection.name, {})[m] = which
+    times = GemmTimes(dtype_name(dtype), torch.get_num_threads(), seconds, backend)
+    logger.info(
+        "GEMM probe %s on %d threads: %d shapes in %.1fs",
+        times.dtype,
+        times.num_threads,
+        sum(len(r) for r in rows.values()),
+        time.monotonic() - started,
+    )
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(times.to_json(), indent=1))
+        tmp.replace(path)
+    return times

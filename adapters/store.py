@@ -2,8 +2,16 @@
 
     disk registry      name -> adapter folder (registered at runtime, or every subfolder
                        of `adapter_root` at start)
-    host LRU cache     up to `max_cpu_loras` validated adapters (`LoRAAdapter`) in memory
+    host LRU cache     up to `max_cpu_loras` validated adapters (`LoRAAdapter`) in memory:
+                       the one host LRU of a replica (the serving layer keeps none)
     device slots       adapters/slots.py, filled by the model runner each step
+
+A copy loaded for the serving catalog carries the catalog's model id (`owner/name@version`,
+deployments/catalog.py): `held(model_id)` finds it again without the catalog, `held_ids`
+lists what the host tier holds for the router, and every listener added by
+`on_evict` hears the model ids of each copy that leaves host memory. A copy's weights
+are named by their content hash (`LoRAAdapter.key`) in the device slots and the prefix
+cache.
 
 Loads run on a small thread pool (`load_async`), never on the engine's step loop.
 Copies are cached per (folder, version):
@@ -54,6 +62,8 @@ Loader = Callable[..., LoRAAdapter]
 `load_peft_adapter` by default. `root` is passed only for contained loads."""
 CacheKey = tuple[Path, int | None]
 """(folder, catalog version or None)"""
+EvictionListener = Callable[[str], None]
+"""Told the model id of a copy that left host memory (called outside the store's lock)."""
 
 
 @dataclass
@@ -96,6 +106,10 @@ class AdapterStore:
         self.stats = StoreStats()
         self._registry: dict[str, Path] = {}
         self._cache: OrderedDict[CacheKey, tuple[tuple, LoRAAdapter]] = OrderedDict()
+        self._ids_of: dict[CacheKey, set[str]] = {}
+        """The catalog model ids each held copy was loaded under."""
+        self._key_of: dict[str, CacheKey] = {}
+        self._listeners: list[EvictionListener] = []
         self._inflight: dict[CacheKey, Future[LoRAAdapter]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="loraplex-adapter-load")
@@ -130,8 +144,8 @@ class AdapterStore:
             folder = self._registry.pop(name, None)
             if folder is None:
                 raise AdapterError(f"adapter {name!r} is not registered")
-            for key in [k for k in self._cache if k[0] == folder]:
-                self._drop(key)
+            dropped = [self._drop(key)[1] for key in [k for k in self._cache if k[0] == folder]]
+        self._tell_evicted(dropped)
         logger.info("adapter %s unregistered", name)
 
     def names(self) -> list[str]:
@@ -176,10 +190,12 @@ class AdapterStore:
         name: str | None = None,
         root: Path | None = None,
         version: int | None = None,
+        model_id: str | None = None,
     ) -> Future[LoRAAdapter]:
         """Like `load`, on the store's thread pool; one disk read per folder and version
         at a time. `root`: the folder must lie under it, reached without links;
-        `version`: pins the copy to that version (see the module docstring)."""
+        `version`: pins the copy to that version (see the module docstring);
+        `model_id`: the catalog's id for it, which `held` then answers."""
         name, folder = self.resolve(spec, name, root)
         key = (folder, version)
         signature = _signature(folder) if version is None else ()
@@ -188,6 +204,7 @@ class AdapterStore:
             if cached is not None and cached[0] == signature and cached[1].name == name:
                 self._cache.move_to_end(key)
                 self.stats.hits += 1
+                self._label(key, model_id)
                 done: Future[LoRAAdapter] = Future()
                 done.set_result(cached[1])
                 return done
@@ -195,7 +212,49 @@ class AdapterStore:
             if future is None:
                 future = self._pool.submit(self._read, name, key, root, signature)
                 self._inflight[key] = future
-            return future
+        if model_id is not None:
+            future.add_done_callback(lambda done: self._label_loaded(key, model_id, done))
+        return future
+
+    def held(self, model_id: str) -> LoRAAdapter | None:
+        """The host copy loaded under `model_id` (most recently used from now on), or
+        None: never loaded, evicted, or (unpinned) its files changed since."""
+        with self._lock:
+            key = self._key_of.get(model_id)
+            cached = self._cache.get(key) if key is not None else None
+            if cached is None:
+                return None
+            if key[1] is None and cached[0] != _signature(key[0]):
+                return None
+            self._cache.move_to_end(key)
+            self.stats.hits += 1
+            return cached[1]
+
+    def held_ids(self) -> dict[str, bytes]:
+        """Model id -> identity key of every copy in host memory loaded under one."""
+        with self._lock:
+            return {m: self._cache[key][1].key for m, key in self._key_of.items()}
+
+    def on_evict(self, listener: EvictionListener) -> None:
+        """Adds a listener told the model ids of every copy that leaves host memory."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _label(self, key: CacheKey, model_id: str | None) -> None:
+        """Records that the held copy `key` is `model_id` too (the lock held)."""
+        if model_id is not None and key in self._cache:
+            self._ids_of.setdefault(key, set()).add(model_id)
+            self._key_of[model_id] = key
+
+    def _label_loaded(self, key: CacheKey, model_id: str, done: Future[LoRAAdapter]) -> None:
+        """A load under `model_id` finished: label its copy, unless it already left."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        with self._lock:
+            held = key in self._cache
+            self._label(key, model_id)
+        if not held:
+            self._tell_evicted([{model_id}])
 
     def _read(self, name: str, key: CacheKey, root: Path | None, signature: tuple) -> LoRAAdapter:
         folder = key[0]
@@ -211,17 +270,20 @@ class AdapterStore:
                 self._inflight.pop(key, None)
             raise
         elapsed = time.perf_counter() - started
+        dropped = []
         with self._lock:
             self._inflight.pop(key, None)
-            self._cache[key] = (signature, adapter)
+            self._cache[key] = (signature, adapter)  # replaces a changed unpinned copy
             self._cache.move_to_end(key)
             self.stats.load_seconds[key] = elapsed
             while len(self._cache) > self.max_cpu_loras:
                 evicted = next(iter(self._cache))
-                old = self._drop(evicted)
+                old, ids = self._drop(evicted)
+                dropped.append(ids)
                 self.stats.evictions += 1
                 logger.info("adapter %s evicted from host memory (%s)", old.name, evicted[0])
             self.stats.loads += 1
+        self._tell_evicted(dropped)
         logger.info(
             "adapter %s loaded from %s in %.1f ms (rank %d, %d modules, key %s)",
             name,
@@ -238,18 +300,28 @@ class AdapterStore:
         requests already holding it keep theirs."""
         key = (Path(folder) if version is not None else Path(folder).resolve(), version)
         with self._lock:
-            evicted = key in self._cache
-            if evicted:
-                self._drop(key)
-        if evicted:
+            dropped = [self._drop(key)[1]] if key in self._cache else []
+        if dropped:
             self.stats.evictions += 1
             logger.info("adapter at %s evicted from host memory", folder)
-        return evicted
+            self._tell_evicted(dropped)
+        return bool(dropped)
 
-    def _drop(self, key: CacheKey) -> LoRAAdapter:
-        """Removes a host copy and its load time (the lock held)."""
+    def _drop(self, key: CacheKey) -> tuple[LoRAAdapter, set[str]]:
+        """Removes a host copy, its load time and its model ids (the lock held); returns
+        the copy and the ids to tell the listeners about."""
         self.stats.load_seconds.pop(key, None)
-        return self._cache.pop(key)[1]
+        ids = self._ids_of.pop(key, set())
+        for model_id in ids:
+            self._key_of.pop(model_id, None)
+        return self._cache.pop(key)[1], ids
+
+    def _tell_evicted(self, dropped: list[set[str]]) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for model_id in sorted(set().union(*dropped)):
+            for listener in listeners:
+                listener(model_id)
 
     @property
     def num_cached(self) -> int:

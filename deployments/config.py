@@ -78,8 +78,9 @@ class ServerOptions(StrictConfig):
     request_router: Literal["residency", "power_of_two"] = Field(
         "residency",
         description="residency: by adapter tier, prefix affinity and home replica "
-        "(deployments/request_router.py); power_of_two: Ray Serve's default router "
-        "(multiplexed-id matching, then shortest of two queues)",
+        "(deployments/request_router.py); power_of_two: Ray Serve's default router, "
+        "shortest of two queues (the replicas report no multiplexed model ids to it: the "
+        "engine's adapter store is their one host LRU, so it has no adapter affinity)",
     )
     prefix_affinity: bool = Field(
         True, description="residency router: send a prompt where its prefix was served last"

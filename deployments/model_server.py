@@ -6,10 +6,11 @@ Its jobs:
 - turn a `GenerateCall` (prompt text, token ids or chat messages + sampling params)
   into a stream of `StreamDelta`s: per completion, only what is new since the last one;
 - run the call on the LoRA adapter named by the Serve multiplexed model id (see
-  catalog.py): `serve.multiplexed` keeps up to `max_cpu_loras` adapters resident per
-  replica and tells Serve's router which replica holds which, so an adapter's requests
-  land where it is loaded; an adapter evicted there leaves the engine's host store and
-  the replica's per-adapter request counts too (no per-model-id state outlives it);
+  catalog.py): the engine's adapter store is the replica's one host LRU (up to
+  `max_cpu_loras` adapters), its copies labelled with their model ids, so a request for
+  a held adapter needs no catalog read; the router learns which replica holds which
+  from `record_routing_stats`; an adapter the store evicts leaves the replica's
+  per-adapter request counts too (no per-model-id state outlives it);
 - report bad input as a `GenerateError` (the ingress maps it to a 4xx) instead of
   raising, so nothing a client sends fails the replica: that includes a request that
   alone needs more tokens than its tenant's budget or the KV cache, and a request the
@@ -86,11 +87,12 @@ class AdapterRequests:
 
     Every register or unload mints a new model id (catalog.py), so no entry may outlive
     its use: an adapter's count lasts while this replica holds it (`evicted` drops it
-    when Serve evicts the adapter; loaded again, it counts from zero, which the registry
-    reads as a restart), and its latest request time lasts `demand_window_s` (an adapter
-    evicted but still requested is what the autoscaler counts as demand over capacity).
-    `forget` drops both for an adapter whose load failed. The base model's '' stays.
-    Serve runs an eviction in a thread, hence the lock."""
+    when the engine's adapter store evicts the adapter; loaded again, it counts from
+    zero, which the registry reads as a restart), and its latest request time lasts
+    `demand_window_s` (an adapter evicted but still requested is what the autoscaler
+    counts as demand over capacity). `forget` drops both for an adapter whose load
+    failed. The base model's '' stays. The store evicts on its load threads, hence the
+    lock."""
 
     def __init__(self, demand_window_s: float) -> None:
         self._window_s = demand_window_s
@@ -136,35 +138,6 @@ class AdapterRequests:
         since = now - self._window_s
         self._last_request = {m: t for m, t in self._last_request.items() if t >= since}
         self._pruned_at = now
-
-
-class ResidentAdapter:
-    """What `serve.multiplexed` caches per adapter: its catalog entry and the loaded
-    adapter (so a request resolves its adapter once). When Serve evicts it (LRU past
-    `max_num_models_per_replica`) the engine drops its host copy and the replica
-    forgets the adapter's request counts."""
-
-    def __init__(
-        self,
-        entry: AdapterEntry,
-        adapter: LoRAAdapter,
-        engine: AsyncEngine,
-        resident_keys: dict[str, bytes],
-        requests: AdapterRequests,
-    ) -> None:
-        self.entry = entry
-        self.adapter = adapter
-        self._engine: AsyncEngine | None = engine
-        self._resident_keys = resident_keys
-        self._requests = requests
-        resident_keys[entry.model_id] = adapter.key
-
-    def __del__(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.evict_adapter(self.entry.folder, _pinned_version(self.entry))
-            self._resident_keys.pop(self.entry.model_id, None)
-            self._requests.evicted(self.entry.model_id)
 
 
 def _pinned_version(entry: AdapterEntry) -> int | None:
@@ -237,17 +210,9 @@ class ModelServer:
             fair=engine_config.scheduler.policy == "fair",
         )
 
-        # A plain function, not the bound method: Serve caches its state on the callable.
-        async def load_resident(model_id: str) -> ResidentAdapter:
-            return await self._load_resident(model_id)
-
-        self._host_adapter_capacity = max(engine_config.lora.max_cpu_loras, 1)
-        self._resident = serve.multiplexed(max_num_models_per_replica=self._host_adapter_capacity)(
-            load_resident
-        )
-        self._resident_keys: dict[str, bytes] = {}
-        """Multiplexed model id -> adapter key of every adapter this replica holds."""
+        self._host_adapter_capacity = engine_config.lora.max_cpu_loras
         self._requests = AdapterRequests(config.server.adapter_demand_window_s)
+        self.engine.on_adapter_evicted(self._requests.evicted)
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_stats, daemon=True)
         self._reporter.start()
@@ -262,22 +227,26 @@ class ModelServer:
             time.perf_counter() - constructed,
         )
 
-    async def _load_resident(self, model_id: str) -> ResidentAdapter:
-        """serve.multiplexed's loader: catalog entry of `model_id`, loaded into the engine."""
+    async def _adapter(self, model_id: str) -> LoRAAdapter:
+        """The adapter `model_id` names: the engine's host copy while it holds one, else
+        its catalog entry loaded into the engine's host tier under that id."""
+        held = self.engine.held_adapter(model_id)
+        if held is not None:
+            return held
         entry = self.catalog.by_model_id(self.config.name, model_id)
         if entry is None:
             raise LookupError(f"adapter {model_id!r} is not in the catalog (deleted or replaced)")
         started = time.perf_counter()
         try:
             adapter = await self.engine.load_adapter(
-                str(entry.folder), entry.public_id, entry.root, _pinned_version(entry)
+                str(entry.folder), entry.public_id, entry.root, _pinned_version(entry), model_id
             )
         except Exception:
             self.metrics.adapter_loads.inc(1, {**self.metrics.tags, "result": "error"})
             raise
         self.metrics.adapter_loads.inc(1, {**self.metrics.tags, "result": "ok"})
         self.metrics.adapter_load.observe(time.perf_counter() - started, self.metrics.tags)
-        return ResidentAdapter(entry, adapter, self.engine, self._resident_keys, self._requests)
+        return adapter
 
     async def _adapter_for_call(self) -> LoRAAdapter | None:
         """The call's adapter, counted as one request for it; a failed load (not in the
@@ -288,9 +257,9 @@ class ModelServer:
         if not model_id:
             return None
         try:
-            return (await self._resident(model_id)).adapter
+            return await self._adapter(model_id)
         except BaseException:
-            if model_id not in self._resident_keys:
+            if model_id not in self.engine.held_adapter_ids():
                 self._requests.forget(model_id)
             raise
 
@@ -308,9 +277,9 @@ class ModelServer:
         return await self._load_ahead("replication")
 
     async def _load_ahead(self, purpose: str) -> bool:
-        model_id = serve.get_multiplexed_model_id()
+        model_id = self.place.multiplexed_model_id()
         try:
-            await self._resident(model_id)
+            await self._adapter(model_id)
         except LookupError as exc:
             logger.info("%s of %s skipped: %s", purpose, model_id, exc)
             return False
@@ -391,7 +360,7 @@ class ModelServer:
         device slots and in host memory, and the requests per model id it has served (an
         adapter's while this replica holds it: `AdapterRequests`)."""
         in_slots = self.engine.device_adapter_keys()
-        resident = dict(self._resident_keys)
+        resident = self.engine.held_adapter_ids()
         return {
             "device": sorted(m for m, key in resident.items() if key in in_slots),
             "host": sorted(resident),
@@ -412,7 +381,7 @@ class ModelServer:
         snapshot = self.engine.snapshot()
         return {
             "replica": self.metrics.tags["replica"],
-            "resident_model_ids": sorted(self._resident_keys),
+            "resident_model_ids": sorted(self.engine.held_adapter_ids()),
             "pid": os.getpid(),
             "admission_refused": self.admission.refused,
             **dataclasses.asdict(snapshot),

@@ -104,15 +104,14 @@ class ReplicaView:
     """Ongoing requests as last seen (None: not known yet)."""
 
 
-def adapter_tier(stats: dict[str, Any], multiplexed_ids: set[str], model_id: str) -> str:
-    """Where `model_id` sits on a replica, from its routing stats and the ids Serve's
-    multiplexing reports for it; a base-model request (empty id) is COLD everywhere, so
-    every replica shares one rank."""
+def adapter_tier(stats: dict[str, Any], model_id: str) -> str:
+    """Where `model_id` sits on a replica, from its routing stats; a base-model request
+    (empty id) is COLD everywhere, so every replica shares one rank."""
     if not model_id:
         return COLD
     if model_id in stats.get(DEVICE, ()):
         return DEVICE
-    if model_id in stats.get(HOST, ()) or model_id in multiplexed_ids:
+    if model_id in stats.get(HOST, ()):
         return HOST
     return COLD
 
@@ -335,7 +334,7 @@ class ResidencyRouter(FIFOMixin, MultiplexMixin, RequestRouter):
 
     def _view(self, replica: RunningReplica, model_id: str, now: float) -> ReplicaView:
         stats = replica.routing_stats or {}
-        tier = adapter_tier(stats, set(replica.multiplexed_model_ids), model_id)
+        tier = adapter_tier(stats, model_id)
         if tier == COLD and model_id and self.placements.holds(model_id, replica.replica_id, now):
             tier = HOST
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)

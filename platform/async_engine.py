@@ -291,13 +291,27 @@ class AsyncEngine:
         name: str | None = None,
         root: Path | None = None,
         version: int | None = None,
+        model_id: str | None = None,
     ) -> LoRAAdapter | None:
         """Loads an adapter (a registered name or a folder, labelled `name`) off the event
-        loop and off the engine loop; `root` and `version` as in AdapterStore.load."""
+        loop and off the engine loop; `root`, `version` and `model_id` as in
+        AdapterStore.load_async."""
         if adapter is None or isinstance(adapter, LoRAAdapter):
             return adapter
-        future = self.engine.load_adapter_async(adapter, name, root, version)
+        future = self.engine.load_adapter_async(adapter, name, root, version, model_id)
         return await asyncio.wrap_future(future)
+
+    def held_adapter(self, model_id: str) -> LoRAAdapter | None:
+        """The host copy loaded under a catalog model id, if still held (LLMEngine)."""
+        return self.engine.held_adapter(model_id)
+
+    def held_adapter_ids(self) -> dict[str, bytes]:
+        """Model id -> identity key of every host copy loaded under one (LLMEngine)."""
+        return self.engine.held_adapter_ids()
+
+    def on_adapter_evicted(self, listener: Callable[[str], None]) -> None:
+        """`listener` hears the model id of each copy that leaves host memory."""
+        self.engine.on_adapter_evicted(listener)
 
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))

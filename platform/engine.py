@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -566,12 +566,27 @@ class LLMEngine:
         name: str | None = None,
         root: Path | None = None,
         version: int | None = None,
+        model_id: str | None = None,
     ) -> Future[LoRAAdapter]:
-        """Loads an adapter into the host tier on the store's threads (AdapterStore.load);
-        ValueError with LoRA off."""
-        if self.adapters is None:
-            raise ValueError("LoRA is disabled on this engine (max_loras=0)")
-        return self.adapters.load_async(adapter, name, root, version)
+        """Loads an adapter into the host tier on the store's threads (AdapterStore
+        .load_async; `model_id` labels the copy for `held_adapter`); ValueError with
+        LoRA off."""
+        return self._store().load_async(adapter, name, root, version, model_id)
+
+    def held_adapter(self, model_id: str) -> LoRAAdapter | None:
+        """The host copy loaded under a catalog model id, if the host tier still holds
+        it (None with LoRA off)."""
+        return self.adapters.held(model_id) if self.adapters is not None else None
+
+    def held_adapter_ids(self) -> dict[str, bytes]:
+        """Model id -> identity key of every host copy loaded under a model id."""
+        return self.adapters.held_ids() if self.adapters is not None else {}
+
+    def on_adapter_evicted(self, listener: Callable[[str], None]) -> None:
+        """`listener` hears the model id of every host copy that leaves host memory (on
+        the thread that evicted it); a no-op with LoRA off."""
+        if self.adapters is not None:
+            self.adapters.on_evict(listener)
 
     def evict_adapter(self, folder: str | Path, version: int | None) -> None:
         """Drops an adapter's host copy (a no-op when LoRA is off or it is not held)."""

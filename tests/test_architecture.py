@@ -8,8 +8,8 @@
   packages form no import cycle (every import counts, inside functions too);
 - the platform's floors: no module imports a floor above its own;
 - docs/ARCHITECTURE.md names every package module, and every module it names exists;
-- each rule written in one place (one rank builder among them), and constructors that
-  construct.
+- each rule written in one place (one rank builder among them), one host LRU of
+  adapters, and constructors that construct.
 """
 
 from __future__ import annotations
@@ -322,6 +322,16 @@ def test_constructors_construct():
         str(path.relative_to(ROOT)) for path in sources if "__new__(" in path.read_text()
     )
     assert bypasses == []
+
+
+def test_one_host_lru_for_adapters():
+    """The engine's adapter store is a replica's only host cache of adapters: Serve's
+    multiplexed cache (a second LRU) is not used."""
+    sources = [path for folder in RUNTIME for path in (ROOT / folder).rglob("*.py")]
+    users = sorted(
+        str(path.relative_to(ROOT)) for path in sources if "serve.multiplexed" in path.read_text()
+    )
+    assert users == []
 
 
 def test_the_scheduler_is_fcfs_plus_policy_hooks():

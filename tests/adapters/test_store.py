@@ -179,3 +179,48 @@ def test_load_times_are_kept_for_the_copies_in_host_memory_only(tmp_path):
     store.unregister("a")
     assert store.stats.load_seconds == {}, "unregister drops every copy of the folder"
     store.shutdown()
+
+
+def test_copies_loaded_under_model_ids_are_found_and_their_evictions_told(base, folders):
+    """The host LRU is the replica's only one: a copy loaded under a catalog model id is
+    found by it without the catalog, and each eviction tells the listeners its ids."""
+    store = make_store(base)
+    evicted: list[str] = []
+    store.on_evict(evicted.append)
+    alpha = store.load_async(folders["alpha"], version=1, model_id="t/alpha@1").result()
+    beta = store.load_async(folders["beta"], version=1, model_id="t/beta@1").result()
+    assert store.held_ids() == {"t/alpha@1": alpha.key, "t/beta@1": beta.key}
+    assert store.held("t/alpha@1") is alpha and store.held("t/gamma@1") is None
+    store.load_async(folders["gamma"], version=1, model_id="t/gamma@1").result()
+    assert evicted == ["t/beta@1"]  # alpha was used last by `held`
+    assert set(store.held_ids()) == {"t/alpha@1", "t/gamma@1"}
+    store.evict(folders["alpha"], 1)
+    assert evicted == ["t/beta@1", "t/alpha@1"] and store.held("t/alpha@1") is None
+
+
+def test_an_unpinned_copy_whose_files_changed_is_not_held(base, folders, tmp_path):
+    folder = tmp_path / "moving"
+    shutil.copytree(folders["alpha"], folder)
+    store = make_store(base)
+    store.load_async(folder, model_id="shared/moving@1").result()
+    assert store.held("shared/moving@1") is not None
+    shutil.copyfile(
+        folders["beta"] / "adapter_model.safetensors", folder / "adapter_model.safetensors"
+    )
+    assert store.held("shared/moving@1") is None
+    assert store.load_async(folder, model_id="shared/moving@1").result().key == (
+        store.held("shared/moving@1").key
+    )
+
+
+def test_many_model_ids_leave_the_host_tier_bounded(base, folders):
+    """Every register or unload mints a new model id: the labels stay as bounded as the
+    copies, and each id is told evicted exactly once."""
+    store = make_store(base, max_cpu_loras=2)
+    evicted: list[str] = []
+    store.on_evict(evicted.append)
+    for version in range(300):
+        name = ("alpha", "beta", "gamma")[version % 3]
+        store.load_async(folders[name], version=version, model_id=f"t/{name}@{version}").result()
+    assert len(store.held_ids()) == 2 and store.num_cached == 2
+    assert len(evicted) == len(set(evicted)) == 298

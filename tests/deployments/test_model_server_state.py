@@ -1,52 +1,63 @@
 """A model replica's per-adapter state (deployments/model_server.py) stays bounded while
-adapters come and go: every register or unload mints a new multiplexed model id, and
-Serve's multiplexed cache evicts adapters past its capacity. No Serve here: the cache is
-an LRU that calls `ResidentAdapter.__del__` on eviction, as `serve.multiplexed` does."""
+adapters come and go: every register or unload mints a new multiplexed model id, and the
+engine's adapter store, the replica's one host LRU, evicts adapters past its capacity.
+No Serve and no engine here: the server's adapter calls run against a real AdapterStore
+(its loader makes a stand-in adapter per model id) behind the engine's adapter methods."""
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from loraplex.adapters.store import AdapterStore
 from loraplex.deployments.catalog import AdapterEntry
-from loraplex.deployments.model_server import (
-    AdapterRequests,
-    LocalPlace,
-    ModelServer,
-    ResidentAdapter,
-)
+from loraplex.deployments.model_server import AdapterRequests, LocalPlace, ModelServer
 
 CAPACITY = 4
 WINDOW_S = 60.0
 
 
-class Cache:
-    """serve.multiplexed's LRU of ResidentAdapters; ids without a catalog entry fail."""
+def stand_in_adapter(folder, arch, max_rank, name, root=None) -> SimpleNamespace:
+    """What the store's loader returns: an adapter named by its folder's version."""
+    return SimpleNamespace(name=name, key=str(folder).encode(), key_hex="00", rank=1, modules={})
 
-    def __init__(self, server: ModelServer) -> None:
-        self.server = server
-        self.held: OrderedDict[str, ResidentAdapter] = OrderedDict()
-        self.engine = SimpleNamespace(evict_adapter=lambda folder, version: None)
 
-    async def __call__(self, model_id: str) -> ResidentAdapter:
-        if model_id not in self.held:
-            if "missing" in model_id:
-                raise LookupError(f"adapter {model_id!r} is not in the catalog")
-            version = int(model_id.rpartition("@")[2])
-            entry = AdapterEntry("t", "m", "a", Path("/a"), version, Path("/"))
-            adapter = SimpleNamespace(key=model_id.encode())
-            server = self.server
-            self.held[model_id] = ResidentAdapter(
-                entry, adapter, self.engine, server._resident_keys, server._requests
-            )
-            if len(self.held) > CAPACITY:
-                self.held.popitem(last=False)[1].__del__()
-        self.held.move_to_end(model_id)
-        return self.held[model_id]
+class StoreEngine:
+    """The AsyncEngine adapter methods a ModelServer calls, on a real AdapterStore."""
+
+    def __init__(self) -> None:
+        self.store = AdapterStore(None, 8, CAPACITY, loader=stand_in_adapter, max_workers=1)
+        self.loads = 0
+
+    async def load_adapter(self, adapter, name, root, version, model_id):
+        self.loads += 1
+        future = self.store.load_async(adapter, name, root, version, model_id)
+        return await asyncio.wrap_future(future)
+
+    def held_adapter(self, model_id):
+        return self.store.held(model_id)
+
+    def held_adapter_ids(self):
+        return self.store.held_ids()
+
+    def on_adapter_evicted(self, listener):
+        self.store.on_evict(listener)
+
+    def shutdown(self) -> None:
+        self.store.shutdown()
+
+
+class Catalog:
+    """Every `t/a@N` id names version N of one tenant adapter; `missing` ids name none."""
+
+    def by_model_id(self, base: str, model_id: str) -> AdapterEntry | None:
+        if "missing" in model_id:
+            return None
+        version = int(model_id.rpartition("@")[2])
+        return AdapterEntry("t", base, "a", Path(f"/a{version}"), version, Path("/"))
 
 
 class CallPlace(LocalPlace):
@@ -65,9 +76,16 @@ def server():
     current = [""]
     server = ModelServer.__new__(ModelServer)
     server.place = CallPlace(current)
-    server._resident_keys = {}
+    server.config = SimpleNamespace(name="m")
+    server.catalog = Catalog()
+    server.metrics = SimpleNamespace(
+        tags={},
+        adapter_loads=SimpleNamespace(inc=lambda value, tags: None),
+        adapter_load=SimpleNamespace(observe=lambda value, tags: None),
+    )
+    server.engine = StoreEngine()
     server._requests = AdapterRequests(WINDOW_S)
-    server._resident = Cache(server)
+    server.engine.on_adapter_evicted(server._requests.evicted)
     server.current = current
     return server
 
@@ -87,13 +105,20 @@ def call(server: ModelServer, *model_ids: str) -> None:
 
 
 def test_request_counts_are_kept_for_the_adapters_the_replica_holds(server):
-    """10,000 adapters, each registered, requested and evicted in turn, plus the base
-    model: the counts the replica reports are those of the base model and its cache."""
-    call(server, *(m for version in range(10_000) for m in ("", f"t/a@{version}")))
+    """2,000 adapters, each registered, requested and evicted in turn, plus the base
+    model: the counts the replica reports are those of the base model and its host tier."""
+    call(server, *(m for version in range(2_000) for m in ("", f"t/a@{version}")))
     counts = server._requests.counts()
-    assert set(counts) == {""} | set(server._resident_keys)
+    assert set(counts) == {""} | set(server.engine.held_adapter_ids())
     assert len(counts) == CAPACITY + 1
-    assert counts[""] == 10_000 and counts["t/a@9999"] == 1
+    assert counts[""] == 2_000 and counts["t/a@1999"] == 1
+
+
+def test_a_held_adapter_is_served_without_the_catalog_or_a_load(server):
+    call(server, "t/a@1", "t/a@1", "t/a@2", "t/a@1")
+    assert server.engine.loads == 2
+    assert server._requests.counts() == {"t/a@1": 3, "t/a@2": 1}
+    assert sorted(server.engine.held_adapter_ids()) == ["t/a@1", "t/a@2"]
 
 
 def test_an_adapter_loaded_again_counts_anew(server):

@@ -39,13 +39,12 @@ STATS_SETTLE_S = 2.5 * ROUTING_STATS_PERIOD_S
 routers; this much later the router routes on what the test reads."""
 
 
-def test_tiers_come_from_the_routing_stats_and_serves_multiplexed_ids():
+def test_tiers_come_from_the_routing_stats():
     stats = {DEVICE: ["a"], HOST: ["a", "b"]}
-    assert adapter_tier(stats, set(), "a") == DEVICE
-    assert adapter_tier(stats, set(), "b") == HOST
-    assert adapter_tier({}, {"c"}, "c") == HOST, "Serve's own view counts as host memory"
-    assert adapter_tier(stats, {"c"}, "d") == COLD
-    assert adapter_tier(stats, {"a"}, "") == COLD, "the base model is one tier everywhere"
+    assert adapter_tier(stats, "a") == DEVICE
+    assert adapter_tier(stats, "b") == HOST
+    assert adapter_tier(stats, "d") == COLD
+    assert adapter_tier(stats, "") == COLD, "the base model is one tier everywhere"
 
 
 def test_ranks_follow_the_tiers_then_the_overloaded():

@@ -215,6 +215,7 @@ class CommandRule:
 COMMANDS = (
     CommandRule(("loraplex", "generate"), ENGINE, REDUCED, "tiny model, 8 tokens"),
     CommandRule(("loraplex", "bench", "offline"), ENGINE, REDUCED, "tiny model, 2 x 16 -> 4"),
+    CommandRule(("loraplex", "probe", "dtype"), ENGINE, REDUCED, "tiny model"),
     CommandRule(
         ("loraplex", "bench", "serve"), APP, REDUCED, "the session's app, 4 prompts, 8 -> 4"
     ),
@@ -222,8 +223,8 @@ COMMANDS = (
         ("loraplex", "check"),
         NOWHERE,
         PARSED,
-        "a suite of minutes against a running app; tests/deployments/check/ runs the same "
-        "suites reduced against the session's app",
+        "a suite of minutes against a running app; tests/deployments/test_fuzz.py, "
+        "test_soak.py and test_load.py run the same suites reduced against the session's app",
     ),
     CommandRule(("curl",), APP, EXECUTED, "against the session's app"),
     CommandRule(
@@ -390,6 +391,7 @@ REDUCTIONS = {
         "--output-len 4 --rounds 1",
         when_given="--adapters 2",
     ),
+    ("probe", "dtype"): Reduction("--model {tiny_model}"),
     ("bench", "serve"): Reduction(
         "--url {url} --model tiny-bytes --tokenizer {byte_tokenizer} --num-prompts 4 "
         "--max-concurrency 4 --prompt-len 8 --output-len 4"

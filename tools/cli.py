@@ -163,15 +163,18 @@ def run_probe_dtype(args: argparse.Namespace) -> int:
     from loraplex.platform.model_files import resolve_model_folder
     from loraplex.tools.engine_bench.ceiling import REFERENCE_WORKLOAD, record_dtype
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     arch = ModelArch.from_folder(resolve_model_folder(args.model))
     scheduler = SchedulerConfig(max_num_seqs=REFERENCE_WORKLOAD.num_requests)
-    dtype, path = record_dtype(arch, scheduler)
-    sys.stdout.write(
-        f"dtype auto -> {str(dtype).removeprefix('torch.')} for {args.model} on "
-        f"{torch.get_num_threads()} threads (recorded in {path})\n"
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        dtype, path = record_dtype(arch, scheduler)
+        sys.stdout.write(
+            f"dtype auto -> {str(dtype).removeprefix('torch.')} for {args.model} on "
+            f"{torch.get_num_threads()} threads (recorded in {path})\n"
+        )
+    finally:
+        torch.set_num_threads(threads)
     return 0
 
 

@@ -18,8 +18,11 @@ command so it runs in seconds; nothing else is changed.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -436,3 +439,22 @@ def coverage_rows() -> list[tuple[str, str, str, str]]:
             )
             rows.append((block.where, block.language, how, why))
     return rows
+
+
+BLOCK_TIMEOUT_S = 120
+SUITE_SWITCHES = ("TRITON_INTERPRET", "LORAPLEX_TEST_DEVICE")
+"""Environment the suite sets for itself (tests/conftest.py) that a user's run lacks."""
+
+
+def run_in_shell(argv: list[str]) -> subprocess.CompletedProcess:
+    """Runs a block's program from the repository root, in this interpreter's
+    environment as a user has it: without the switches tests/conftest.py sets."""
+    env = {name: value for name, value in os.environ.items() if name not in SUITE_SWITCHES}
+    return subprocess.run(
+        argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+    )
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """Runs a python block as a script (see `run_in_shell`)."""
+    return run_in_shell([sys.executable, "-c", code])

@@ -16,7 +16,6 @@ import argparse
 import importlib
 import importlib.util
 import logging
-import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -51,6 +50,7 @@ from doc_blocks import (
     doc_blocks,
     fenced_blocks,
     reduced_argv,
+    run_python,
     shell_commands,
     substitute,
 )
@@ -59,8 +59,6 @@ from loraplex.cli import main as loraplex_main
 
 logger = logging.getLogger(__name__)
 PACKAGE_FOLDERS = ("_loraplex", "platform", "adapters", "kernels", "deployments")
-BLOCK_TIMEOUT_S = 120
-SUITE_SWITCHES = ("TRITON_INTERPRET", "LORAPLEX_TEST_DEVICE")
 
 
 def test_every_code_block_is_covered():
@@ -127,22 +125,6 @@ def engine_values(tiny_model_factory, peft_adapter_factory, tmp_path_factory) ->
     french = peft_adapter_factory(base, folder / "french", rank=4, seed=1)
     pirate = peft_adapter_factory(base, folder / "pirate", rank=8, target_modules=every, seed=2)
     return {"tiny_model": str(base), "adapter_french": str(french), "adapter_pirate": str(pirate)}
-
-
-def run_python(code: str) -> subprocess.CompletedProcess:
-    """Runs a block as a script from the repository root, in this interpreter, in a
-    user's environment: without the switches tests/conftest.py sets for the suite."""
-    env = {name: value for name, value in os.environ.items() if name not in SUITE_SWITCHES}
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=BLOCK_TIMEOUT_S,
-    )
-    logger.info("stdout:\n%s\nstderr (tail):\n%s", done.stdout, done.stderr[-2000:])
-    return done
 
 
 @pytest.mark.parametrize("block", blocks_run(ENGINE, "python"), ids=lambda block: block.where)

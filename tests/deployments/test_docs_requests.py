@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -25,13 +23,14 @@ from doc_blocks import (
     blocks_run,
     commands_run,
     reduced_argv,
+    run_in_shell,
+    run_python,
     substitute,
 )
 
 from loraplex.cli import main as loraplex_main
 
 logger = logging.getLogger(__name__)
-BLOCK_TIMEOUT_S = 120
 RESIDENCY_WAIT_S = 15.0
 OPENAI_ERROR = re.compile(r'"error"\s*:\s*\{')
 
@@ -64,26 +63,14 @@ def app_values(serve_setup, tenant_keys, operator_key, tiny_model_factory, tmp_p
 @pytest.mark.parametrize("block", blocks_run(APP, "python"), ids=lambda block: block.where)
 def test_app_python_block_runs(block, app_values):
     code = substitute(block_script(block), APP, app_values)
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=BLOCK_TIMEOUT_S,
-    )
+    done = run_python(code)
     logger.info("%s printed:\n%s", block.where, done.stdout)
     assert done.returncode == 0, f"{block.where} failed:\n{done.stderr[-3000:]}"
 
 
 def run_bash(command: Command, values: dict[str, str]) -> str:
     line = substitute(command.line, APP, values)
-    done = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", line],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=BLOCK_TIMEOUT_S,
-    )
+    done = run_in_shell(["bash", "-o", "pipefail", "-c", line])
     logger.info("%s: %s\n%s", command.where, line, done.stdout)
     assert done.returncode == 0, f"{command.where}: `{line}` -> {done.returncode}: {done.stderr}"
     return done.stdout

@@ -105,8 +105,3 @@ class BlockPool:
     def num_evictable_among(self, blocks: Iterable[Block]) -> int:
         """How many of `blocks` sit in the free queue (acquiring them uses up free room)."""
         return sum(1 for block in blocks if block.ref_count == 0)
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            block.block_hash = None
-        self._cached.clear()

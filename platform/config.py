@@ -88,7 +88,8 @@ class CacheConfig:
 
     The number of blocks is derived from a memory budget: `kv_cache_memory_bytes` if
     given, else `kv_cache_memory_fraction` of the device's total memory (host RAM on
-    CPU). `num_blocks_override` pins the count (tests use it to force preemption).
+    CPU). `num_blocks_override` pins the count whatever the budget (as vLLM's
+    `num_gpu_blocks_override`: to reproduce another machine's cache, or a small one).
     """
 
     block_size: int = 16

@@ -9,7 +9,7 @@
 - the platform's floors: no module imports a floor above its own;
 - docs/ARCHITECTURE.md names every package module, and every module it names exists;
 - each rule written in one place (one rank builder among them), one host LRU of
-  adapters, and constructors that construct.
+  adapters, constructors that construct, and no production branch on being under test.
 """
 
 from __future__ import annotations
@@ -322,6 +322,21 @@ def test_constructors_construct():
         str(path.relative_to(ROOT)) for path in sources if "__new__(" in path.read_text()
     )
     assert bypasses == []
+
+
+TEST_BRANCH = re.compile(r"\bpytest\b|PYTEST_|_in_serve\b|\bunder_test\b|\bin_tests?\b")
+
+
+def test_no_production_module_branches_on_being_under_test():
+    """Test seams are injected (a `LocalPlace`, failpoints armed through an API, config
+    options a user has too), never read from the environment a test runs in."""
+    sources = [path for folder in (*RUNTIME, "_loraplex") for path in (ROOT / folder).rglob("*.py")]
+    branching = sorted(
+        str(path.relative_to(ROOT)) for path in sources if TEST_BRANCH.search(path.read_text())
+    )
+    assert branching == []
+    assert TEST_BRANCH.search("os.environ.get('PYTEST_CURRENT_TEST')")
+    assert TEST_BRANCH.search("if _in_serve():") and not TEST_BRANCH.search("latest")
 
 
 def test_one_host_lru_for_adapters():

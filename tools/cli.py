@@ -17,12 +17,16 @@ from loraplex.tools.serve_bench.cli import add_parser as add_serve_bench
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+def _add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
         help=f"registered model name or local HF folder (default: {DEFAULT_MODEL})",
     )
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    _add_model_argument(parser)
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -141,11 +145,7 @@ def _add_probe_command(command_parsers: argparse._SubParsersAction) -> None:
         help="time each CPU dtype's projections on 64 x 128 -> 64 and record the fastest "
         "as what `dtype: auto` runs in for this model shape and thread count",
     )
-    dtype.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"registered model name or local HF folder (default: {DEFAULT_MODEL})",
-    )
+    _add_model_argument(dtype)
     dtype.add_argument(
         "--threads",
         type=int,

@@ -51,10 +51,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def serve_config_controller_options() -> dict:
-    """serve_config.yaml's `controller_options`: the test app's proxy runs the same
-    middleware as `serve run serve_config.yaml`."""
+    """serve_config.yaml's `controller_options`: the test app's controller and proxy run
+    with the same Serve settings and middleware as `serve run serve_config.yaml`."""
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     return config["controller_options"]
+
+
+def serve_config_replica_env() -> dict[str, str]:
+    """The environment serve_config.yaml gives the application's replicas: the test
+    session's job carries it, and Serve makes the job's runtime_env every deployment's
+    default."""
+    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    (application,) = config["applications"]
+    return application["runtime_env"]["env_vars"]
 
 
 def free_port() -> int:
@@ -167,7 +176,12 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
         "operator": {"api_key_sha256": [hash_key(OPERATOR_KEY)]},
     }
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": serve_config_replica_env()},
+    )
     serve.start(
         http_options={"host": "127.0.0.1", "port": port},
         controller_options=serve_config_controller_options(),

@@ -51,6 +51,23 @@ def test_the_rayservice_embeds_serve_config_yaml():
         assert spec["terminationGracePeriodSeconds"] >= max(drain, graceful)
 
 
+SHIPPED_SERVE_CONFIGS = sorted(ROOT.glob("scripts/*config.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_SERVE_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_serve_config_runs_serve_as_serve_config_yaml_does(path):
+    """Serve's settings (the proxy middleware, the idle-cost intervals) have one home,
+    serve_config.yaml: each benchmark app takes them as they are, for its controller and
+    for its replicas, so what it measures is what `serve run serve_config.yaml` runs."""
+    source = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    settings = source["controller_options"]["runtime_env"]["env_vars"]
+    assert [app["runtime_env"]["env_vars"] for app in source["applications"]] == [settings]
+    config = yaml.safe_load(path.read_text())
+    assert config["controller_options"] == source["controller_options"]
+    for app in config["applications"]:
+        assert app["runtime_env"] == {"env_vars": settings}, app["name"]
+
+
 SERVE_PORT = 8000
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 

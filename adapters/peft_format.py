@@ -25,6 +25,10 @@ server:
   names, shapes and ranks (<= max_rank, = the config's r). Only then is the data region,
   whose size those checks bound, read;
 - the tensors, and each B after scaling, must be finite.
+
+`validate_peft_adapter` runs every check without building the engine's tensors: it reads
+and converts with numpy and imports no torch, for the ingress, which validates a
+registration in its own process.
 """
 
 from __future__ import annotations
@@ -42,11 +46,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+import numpy as np
 
 from loraplex.adapters import safe_files
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +124,9 @@ _DTYPES: dict[str, tuple[str, int]] = {
     "U64": ("torch.uint64", 8),
     "F64": ("torch.float64", 8),
 }
-_SERVABLE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# The servable safetensors dtypes, as little-endian numpy dtypes of their bits; BF16 has
+# no numpy dtype and becomes float32 by its bits (_as_float32).
+_SERVABLE = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 _NEED_FLOAT = "need floating point (torch.float32, torch.float16 or torch.bfloat16)"
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
@@ -203,6 +212,43 @@ def expected_lora_shapes(arch: BaseModelShape) -> dict[str, tuple[int, int]]:
     }
 
 
+@dataclass(frozen=True)
+class _CheckedAdapter:
+    """A folder's adapter after every check: float32 A and scaled B per module, as numpy
+    arrays, and the content key."""
+
+    key: bytes
+    modules: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]
+
+
+def _check_adapter(
+    path: Path, arch: BaseModelShape, max_rank: int, root: str | Path | None
+) -> _CheckedAdapter:
+    follow_links = root is None
+    with ExitStack() as stack:
+        folder_fd = _enter_folder(stack, path, root)
+        config = _read_config(stack, folder_fd, path, follow_links)
+        weights_fd = _enter_weights(stack, folder_fd, path, follow_links)
+        _check_config_is_plain_lora(config)
+        header = _read_header(weights_fd, path / WEIGHTS_NAME)
+        pairs = _pair_lora_tensors(header.entries, arch)
+        scalings = _module_scalings(config, pairs, header.entries, max_rank)
+        data = _read_tensor_data(weights_fd, header, path / WEIGHTS_NAME)
+    modules = {
+        key: (*_module_arrays(header.entries, data, *pairs[key], scaling), scaling)
+        for key, scaling in scalings.items()
+    }
+    return _CheckedAdapter(_identity_key(scalings, header.entries, data), modules)
+
+
+def validate_peft_adapter(
+    path: str | Path, arch: BaseModelShape, max_rank: int, root: str | Path | None = None
+) -> None:
+    """Every check of `load_peft_adapter`, with the same AdapterError, and no torch: the
+    ingress validates a registration with it and leaves loading to the replicas."""
+    _check_adapter(Path(path), arch, max_rank, root)
+
+
 def load_peft_adapter(
     path: str | Path,
     arch: BaseModelShape,
@@ -215,24 +261,18 @@ def load_peft_adapter(
     `root`: a tenant's adapter root; `path` must then lie under it, and neither the
     folder nor its files may be (or be reached through) a symbolic link. Without a root
     `path` is opened as given."""
+    import torch
+
     path = Path(path)
-    follow_links = root is None
-    with ExitStack() as stack:
-        folder_fd = _enter_folder(stack, path, root)
-        config = _read_config(stack, folder_fd, path, follow_links)
-        weights_fd = _enter_weights(stack, folder_fd, path, follow_links)
-        _check_config_is_plain_lora(config)
-        header = _read_header(weights_fd, path / WEIGHTS_NAME)
-        pairs = _pair_lora_tensors(header.entries, arch)
-        scalings = _module_scalings(config, pairs, header.entries, max_rank)
-        tensors = _read_tensor_data(weights_fd, header, path / WEIGHTS_NAME)
+    checked = _check_adapter(path, arch, max_rank, root)
     modules = {
-        key: _module_weights(tensors, *pairs[key], scaling) for key, scaling in scalings.items()
+        key: LoRAModuleWeights(a=torch.from_numpy(a), b=torch.from_numpy(b), scaling=scaling)
+        for key, (a, b, scaling) in checked.modules.items()
     }
     adapter = LoRAAdapter(
         name=name if name is not None else path.name,
         path=path,
-        key=_identity_key(scalings, tensors),
+        key=checked.key,
         modules=MappingProxyType(modules),
     )
     logger.info(
@@ -252,21 +292,37 @@ def _layer_then_module(key: tuple[int, str]) -> tuple[int, int]:
     return layer, SUPPORTED_MODULES.index(module)
 
 
-def _module_weights(
-    tensors: dict[str, torch.Tensor], a_name: str, b_name: str, scaling: float
-) -> LoRAModuleWeights:
+def _module_arrays(
+    entries: Mapping[str, _TensorEntry],
+    data: dict[str, bytes | bytearray],
+    a_name: str,
+    b_name: str,
+    scaling: float,
+) -> tuple[np.ndarray, np.ndarray]:
     """float32 A and scaled B, both checked finite (the scaling can overflow B)."""
-    a, b = tensors[a_name], tensors[b_name]
-    _check_finite(a_name, a)
-    _check_finite(b_name, b)
-    a32 = a.to(torch.float32).contiguous()
-    b32 = (b.to(torch.float32) * scaling).contiguous()
-    if not torch.isfinite(b32).all():
+    a32 = _as_float32(entries[a_name], data[a_name])
+    b32 = _as_float32(entries[b_name], data[b_name])
+    _check_finite(a_name, a32)
+    _check_finite(b_name, b32)
+    with np.errstate(over="ignore", invalid="ignore"):  # refused just below, by name
+        b32 = b32 * np.float32(scaling)
+    if not np.isfinite(b32).all():
         raise AdapterError(
             f"tensor {b_name!r} times its scaling {scaling!r} (lora_alpha / r) overflows "
             "float32 to NaN or Inf"
         )
-    return LoRAModuleWeights(a=a32, b=b32, scaling=scaling)
+    return a32, b32
+
+
+def _as_float32(entry: _TensorEntry, data: bytes | bytearray) -> np.ndarray:
+    """A (servable) tensor's stored bytes as a new, writable float32 array of its shape;
+    bf16 widens by its bits (the upper half of a float32), like every conversion exact."""
+    stored = np.frombuffer(data, dtype=_SERVABLE[entry.dtype])
+    if entry.dtype == "BF16":
+        values = (stored.astype(np.uint32) << 16).view(np.float32)
+    else:
+        values = stored.astype(np.float32)
+    return values.reshape(entry.shape)
 
 
 # --- files ---------------------------------------------------------------------------
@@ -664,20 +720,17 @@ def _check_tiling(entries: dict[str, _TensorEntry], data_length: int) -> None:
         )
 
 
-def _read_tensor_data(fd: int, header: _Header, file: Path) -> dict[str, torch.Tensor]:
+def _read_tensor_data(fd: int, header: _Header, file: Path) -> dict[str, bytes | bytearray]:
     """Reads each (already checked) tensor's bytes through `fd`, as stored."""
-    tensors = {}
+    data: dict[str, bytes | bytearray] = {}
     try:
         for tensor_name, entry in header.entries.items():
-            dtype = _SERVABLE[entry.dtype]
-            if entry.end == entry.begin:
-                tensors[tensor_name] = torch.empty(entry.shape, dtype=dtype)
-                continue
-            data = safe_files.read_at(fd, header.data_start + entry.begin, entry.end - entry.begin)
-            tensors[tensor_name] = torch.frombuffer(data, dtype=dtype).reshape(entry.shape)
+            size = entry.end - entry.begin
+            start = header.data_start + entry.begin
+            data[tensor_name] = safe_files.read_at(fd, start, size) if size else b""
     except OSError as err:  # the file shrank or failed since its header was checked
         raise _corrupt_error(file, str(err)) from None
-    return tensors
+    return data
 
 
 def _pair_lora_tensors(
@@ -744,8 +797,8 @@ def _check_ranks(
         )
 
 
-def _check_finite(tensor_name: str, tensor: torch.Tensor) -> None:
-    if not torch.isfinite(tensor).all():
+def _check_finite(tensor_name: str, values: np.ndarray) -> None:
+    if not np.isfinite(values).all():
         raise AdapterError(f"tensor {tensor_name!r} contains NaN or Inf values")
 
 
@@ -757,15 +810,18 @@ def _module_key(tensor_name: str) -> str:
 
 
 def _identity_key(
-    scalings: dict[tuple[int, str], float], tensors: dict[str, torch.Tensor]
+    scalings: dict[tuple[int, str], float],
+    entries: Mapping[str, _TensorEntry],
+    data: dict[str, bytes | bytearray],
 ) -> bytes:
     """blake2b over the per-module scalings (the config's whole effect on outputs) and
-    every tensor's name, dtype, shape and raw bytes, in sorted order."""
+    every tensor's name, dtype, shape and stored bytes, in sorted order."""
     digest = hashlib.blake2b(digest_size=16)
     for (layer, module), scaling in sorted(scalings.items()):
         digest.update(f"scaling {layer} {module} {scaling.hex()}\n".encode())
-    for tensor_name in sorted(tensors):
-        tensor = tensors[tensor_name].contiguous()
-        digest.update(f"tensor {tensor_name} {tensor.dtype} {list(tensor.shape)}\n".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    for tensor_name in sorted(entries):
+        entry = entries[tensor_name]
+        shape = list(entry.shape)
+        digest.update(f"tensor {tensor_name} {entry.torch_dtype_name} {shape}\n".encode())
+        digest.update(data[tensor_name])
     return digest.digest()

@@ -2,7 +2,9 @@
 replica's request path.
 
 Registering an adapter reads and checks its folder (PEFT format, tensor shapes against
-the base model, rank against the engine's `max_lora_rank`; adapters/peft_format.py) on
+the base model, rank against the engine's `max_lora_rank`, finite values;
+`validate_peft_adapter` in adapters/peft_format.py, numpy only: the ingress imports no
+torch) on
 a worker thread of the ingress, at most `MAX_CONCURRENT_VALIDATIONS` at a time per
 ingress replica, so a burst of registrations neither holds a model replica's
 `max_ongoing_requests` places nor blocks the ingress's event loop. What an adapter must
@@ -23,7 +25,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from loraplex.adapters.peft_format import AdapterError, load_peft_adapter
+from loraplex.adapters.peft_format import AdapterError, validate_peft_adapter
 from loraplex.deployments.errors import OpenAIError
 from loraplex.platform.arch import ModelArch
 
@@ -83,7 +85,7 @@ class AdapterValidator:
                 retry_after_s=RETRY_AFTER_S,
             ) from None
 
-    async def check(self, base: str, folder: Path, name: str, root: Path) -> None:
+    async def check(self, base: str, folder: Path, root: Path) -> None:
         """Reads and validates the adapter `folder` (under the tenant's `root`, without
         following links) for `base`; 400 with the reason when it cannot be served."""
         shape = await self.shape(base)
@@ -94,7 +96,7 @@ class AdapterValidator:
         async with self._slots:
             try:
                 await asyncio.to_thread(
-                    load_peft_adapter, folder, shape.arch, shape.max_rank, name, root
+                    validate_peft_adapter, folder, shape.arch, shape.max_rank, root
                 )
             except AdapterError as exc:
                 raise OpenAIError(400, f"adapter rejected: {exc}") from None

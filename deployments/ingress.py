@@ -1104,9 +1104,7 @@ class OpenAIIngress:
             folder = self.catalog.checked_folder(tenant.name, body.path)
         except CatalogError as exc:
             raise _catalog_error(exc) from None
-        await self.validator.check(
-            body.model, folder, f"{body.model}:{body.name}", self.catalog.tenant_root(tenant.name)
-        )
+        await self.validator.check(body.model, folder, self.catalog.tenant_root(tenant.name))
         try:
             entry = await asyncio.to_thread(
                 self.catalog.register,

@@ -11,42 +11,43 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""The dtypes an engine computes in, by their torch names."""
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 AUTO_DTYPE = "auto"
 """The dtype option that lets the engine choose (platform/dtype_choice.py)."""
 
 
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """'float32' / 'bf16' / torch.bfloat16 -> the torch name ('bfloat16'); ValueError for
+    anything else. Configs hold names, so reading one needs no torch (the ingress parses
+    the engine options and imports no torch); the engine turns them into torch dtypes."""
+    text = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPE_NAMES:
+        choices = sorted({*DTYPE_NAMES, *_DTYPE_ALIASES})
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {choices}")
+    return name
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Maps 'float32' / 'bf16' / torch.dtype to a torch.dtype; rejects anything else."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}; use one of {sorted(set(_DTYPES))}")
-        return dtype
-    try:
-        return _DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(
-            f"unsupported dtype {dtype!r}; use one of {sorted(set(_DTYPES))}"
-        ) from None
+    import torch
+
+    return getattr(torch, dtype_name(dtype))
 
 
-def parse_dtype_option(dtype: str | torch.dtype) -> torch.dtype | str:
-    """As `parse_dtype`, and 'auto' stays 'auto' (resolved when the engine is built)."""
+def parse_dtype_option(dtype: str | torch.dtype) -> str:
+    """The dtype option as a config holds it: 'auto', or the dtype's torch name."""
     if isinstance(dtype, str) and dtype.lower() == AUTO_DTYPE:
         return AUTO_DTYPE
-    return parse_dtype(dtype)
+    return dtype_name(dtype)
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,10 @@ class ModelConfig:
 
     `model` is a registered name (e.g. 'smollm2-135m-instruct') or a local folder in
     Hugging Face layout (config.json + *.safetensors + tokenizer files).
-    `dtype` is a torch dtype or 'auto': bf16 on a GPU, on a CPU the dtype `loraplex probe
-    dtype` recorded as fastest here, else bf16 with AMX and fp32 without
-    (platform/dtype_choice.py). The engine's own config holds the resolved dtype.
+    `dtype` is 'auto', a dtype's torch name ('bfloat16') or a torch dtype. 'auto': bf16 on
+    a GPU, on a CPU the dtype `loraplex probe dtype` recorded as fastest here, else bf16
+    with AMX and fp32 without (platform/dtype_choice.py). The engine's own config holds
+    the resolved torch dtype.
     `max_model_len` caps prompt + generated tokens; None means the model's own
     `max_position_embeddings`. `num_threads` is torch's intra-op thread count on a CPU;
     None means every core this process may run on. (Ray sets OMP_NUM_THREADS to an
@@ -76,8 +78,15 @@ class ModelConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dtype, torch.dtype) and self.dtype != AUTO_DTYPE:
-            raise ValueError(f"dtype must be a torch dtype or {AUTO_DTYPE!r}, got {self.dtype!r}")
+        if self.dtype != AUTO_DTYPE and not (
+            self.dtype in DTYPE_NAMES or not isinstance(self.dtype, str)
+        ):
+            raise ValueError(
+                f"dtype must be one of {DTYPE_NAMES}, a torch dtype or {AUTO_DTYPE!r}, "
+                f"got {self.dtype!r}"
+            )
+        if not isinstance(self.dtype, str):
+            dtype_name(self.dtype)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

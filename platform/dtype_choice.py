@@ -108,10 +108,12 @@ def choose_dtype(arch: ModelArch, device: torch.device) -> DtypeChoice:
     return DtypeChoice(dtype, f"{rule}; `{PROBE_COMMAND}` measures it on this machine")
 
 
-def resolve_auto_dtype(config: EngineConfig, arch: ModelArch, device: torch.device) -> EngineConfig:
-    """`config` with dtype 'auto' replaced by `choose_dtype`'s pick, logged with why."""
+def resolve_dtype(config: EngineConfig, arch: ModelArch, device: torch.device) -> EngineConfig:
+    """`config` with its dtype as a torch dtype: 'auto' becomes `choose_dtype`'s pick,
+    logged with why; a dtype's name becomes that dtype."""
     if config.model.dtype != AUTO_DTYPE:
-        return config
+        dtype = parse_dtype(config.model.dtype)
+        return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
     choice = choose_dtype(arch, device)
     logger.info("dtype auto -> %s: %s", str(choice.dtype).removeprefix("torch."), choice.reason)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=choice.dtype))

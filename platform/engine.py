@@ -29,7 +29,7 @@ from loraplex.platform.compute_threads import default_compute_threads, use_compu
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.cpu_allocator import keep_freed_memory, release_freed_memory
 from loraplex.platform.decode_graphs import BUCKETS, DecodeGraphs, graph_memory_estimate
-from loraplex.platform.dtype_choice import resolve_auto_dtype
+from loraplex.platform.dtype_choice import resolve_dtype
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.guided import GrammarCompiler, GuidedSpec
 from loraplex.platform.kv_cache import plan_num_blocks
@@ -109,7 +109,7 @@ class LLMEngine:
     def _set_limits(self, config: EngineConfig, arch: ModelArch) -> None:
         """The model's architecture, the config with dtype resolved, max_model_len."""
         self.arch = arch
-        self.config = resolve_auto_dtype(config, arch, self.device)
+        self.config = resolve_dtype(config, arch, self.device)
         """The engine's options with dtype resolved ('auto' never stays)."""
         self.max_model_len = self.config.model.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:

@@ -23,10 +23,12 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,10 @@ class GuidedState:
 
 def _bits_without(banned: list[int], vocab_size: int) -> torch.Tensor:
     """int32 [ceil(V / 32)] with every bit set but those of `banned` (bit t % 32 of word
-    t // 32, as xgrammar packs its masks)."""
+    t // 32, as xgrammar packs its masks). Torch is imported here, in the engine: the
+    ingress reads this module for `GuidedSpec` alone."""
+    import torch
+
     words = np.full((vocab_size + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
     for token in banned:
         words[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)

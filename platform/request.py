@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from loraplex.platform.guided import GuidedSpec, GuidedState
 
 if TYPE_CHECKING:
+    import torch
+
     from loraplex.adapters.peft_format import LoRAAdapter
 
 
@@ -230,6 +230,8 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
         seed = self.sampling_params.seed
         if seed is not None and self.generator is None:
+            import torch  # the engine's processes only: the ingress reads this module too
+
             self.generator = torch.Generator().manual_seed(child_seed(seed, self.index))
 
     @property

@@ -22,8 +22,9 @@ from loraplex.adapters.peft_format import (
     SUPPORTED_MODULES,
     AdapterError,
     expected_lora_shapes,
-    load_peft_adapter,
+    validate_peft_adapter,
 )
+from loraplex.adapters.peft_format import load_peft_adapter as engine_load
 from loraplex.platform.arch import ModelArch
 
 PREFIX = "base_model.model.model.layers"
@@ -37,6 +38,20 @@ PATTERNS = dict(
     rank_pattern={"q_proj": 8, "layers.1.self_attn.v_proj": 2, "model.layers.0.mlp.up_proj": 3},
     alpha_pattern={"v_proj": 4.0, "o_proj": 5.0, "layers.1.mlp.*": 12.0},
 )
+
+
+def load_checked(path, arch, max_rank, name=None, root=None):
+    """The engine's `load_peft_adapter`, once the ingress's `validate_peft_adapter`
+    (numpy, no torch) is seen to refuse exactly what it refuses, with the same message:
+    every test here checks both."""
+    try:
+        validate_peft_adapter(path, arch, max_rank, root)
+    except AdapterError as refused:
+        with pytest.raises(AdapterError) as loaded:
+            engine_load(path, arch, max_rank, name, root)
+        assert str(loaded.value) == str(refused)
+        raise
+    return engine_load(path, arch, max_rank, name, root)
 
 
 @pytest.fixture(scope="session")
@@ -106,7 +121,7 @@ def test_matches_peft(kind, adapters, base, arch):
     from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
 
-    adapter = load_peft_adapter(adapters[kind], arch, max_rank=8)
+    adapter = load_checked(adapters[kind], arch, max_rank=8)
     peft_model = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapters[kind]
     )
@@ -142,7 +157,7 @@ def test_matches_peft(kind, adapters, base, arch):
 
 
 def test_adapter_properties(adapters, arch):
-    plain = load_peft_adapter(adapters["plain"], arch, max_rank=8)
+    plain = load_checked(adapters["plain"], arch, max_rank=8)
     assert plain.name == "plain" and plain.path == adapters["plain"]
     assert plain.target_modules == frozenset(SUPPORTED_MODULES)
     assert len(plain.modules) == arch.num_layers * len(SUPPORTED_MODULES)
@@ -152,12 +167,12 @@ def test_adapter_properties(adapters, arch):
     with pytest.raises(TypeError):
         plain.modules[(0, "q_proj")] = plain.modules[(0, "k_proj")]
 
-    rslora = load_peft_adapter(adapters["rslora"], arch, max_rank=4, name="rs")
+    rslora = load_checked(adapters["rslora"], arch, max_rank=4, name="rs")
     assert rslora.name == "rs"
     assert rslora.target_modules == frozenset({"q_proj", "v_proj"})
     assert {m.scaling for m in rslora.modules.values()} == {6.0 / 2.0}
 
-    patterns = load_peft_adapter(adapters["patterns"], arch, max_rank=8)
+    patterns = load_checked(adapters["patterns"], arch, max_rank=8)
     assert patterns.rank == 8
     scalings = {k: m.scaling for k, m in patterns.modules.items()}
     assert scalings[(0, "q_proj")] == 8.0 / 8
@@ -172,19 +187,32 @@ def test_adapter_properties(adapters, arch):
 def test_qwen2_adapter_loads(make_peft_adapter, tiny_model_factory, tmp_path):
     base = tiny_model_factory("qwen2")
     folder = make_peft_adapter(base, tmp_path / "qwen", target_modules=("k_proj", "down_proj"))
-    adapter = load_peft_adapter(folder, ModelArch.from_folder(base), max_rank=4)
+    adapter = load_checked(folder, ModelArch.from_folder(base), max_rank=4)
     assert adapter.target_modules == frozenset({"k_proj", "down_proj"})
 
 
-def test_half_precision_tensors_become_float32(plain_copy, adapters, arch):
-    edit_tensors(plain_copy, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
-    adapter = load_peft_adapter(plain_copy, arch, max_rank=8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_tensors_become_float32(dtype, plain_copy, adapters, arch):
+    edit_tensors(plain_copy, lambda t: t.update({k: v.to(dtype) for k, v in t.items()}))
+    adapter = load_checked(plain_copy, arch, max_rank=8)
     raw = load_file(plain_copy / "adapter_model.safetensors")
     weights = adapter.modules[(0, "q_proj")]
     assert weights.a.dtype == weights.b.dtype == torch.float32
     assert torch.equal(weights.a, raw[Q_A].float())
     assert torch.equal(weights.b, raw[Q_B].float() * 2.0)
-    assert adapter.key != load_peft_adapter(adapters["plain"], arch, max_rank=8).key
+    assert adapter.key != load_checked(adapters["plain"], arch, max_rank=8).key
+
+
+def test_scaled_b_is_torchs_float32_product(adapters, arch):
+    """B times its scaling (numpy, at load) is bit for bit torch's float32 product, for
+    scalings that are not powers of two (the patterns adapter: 8 / 3 on up_proj)."""
+    adapter = load_checked(adapters["patterns"], arch, max_rank=8)
+    raw = load_file(adapters["patterns"] / "adapter_model.safetensors")
+    assert any(math.log2(m.scaling) % 1 for m in adapter.modules.values())
+    for (layer, module), weights in adapter.modules.items():
+        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        stored = raw[f"{PREFIX}.{layer}.{parent}.{module}.lora_B.weight"]
+        assert torch.equal(weights.b, stored.to(torch.float32) * weights.scaling)
 
 
 def test_training_only_fields_are_ignored(plain_copy, adapters, arch):
@@ -196,16 +224,16 @@ def test_training_only_fields_are_ignored(plain_copy, adapters, arch):
         base_model_name_or_path="somewhere/else",
         inference_mode=False,
     )
-    original = load_peft_adapter(adapters["plain"], arch, max_rank=8)
-    assert load_peft_adapter(plain_copy, arch, max_rank=8).key == original.key
+    original = load_checked(adapters["plain"], arch, max_rank=8)
+    assert load_checked(plain_copy, arch, max_rank=8).key == original.key
 
 
 # --- identity --------------------------------------------------------------------------
 
 
 def test_key_ignores_name_and_path(plain_copy, adapters, arch):
-    original = load_peft_adapter(adapters["plain"], arch, max_rank=8)
-    copy = load_peft_adapter(plain_copy, arch, max_rank=8, name="someone-else")
+    original = load_checked(adapters["plain"], arch, max_rank=8)
+    copy = load_checked(plain_copy, arch, max_rank=8, name="someone-else")
     assert copy.key == original.key
     assert (copy.name, copy.path) != (original.name, original.path)
 
@@ -215,14 +243,14 @@ def test_key_changes_with_one_weight(plain_copy, adapters, arch):
         tensors[Q_B][0, 0] += 1e-3
 
     edit_tensors(plain_copy, nudge)
-    original = load_peft_adapter(adapters["plain"], arch, max_rank=8)
-    assert load_peft_adapter(plain_copy, arch, max_rank=8).key != original.key
+    original = load_checked(adapters["plain"], arch, max_rank=8)
+    assert load_checked(plain_copy, arch, max_rank=8).key != original.key
 
 
 def test_key_changes_with_alpha(plain_copy, adapters, arch):
     edit_config(plain_copy, lora_alpha=16)
-    original = load_peft_adapter(adapters["plain"], arch, max_rank=8)
-    changed = load_peft_adapter(plain_copy, arch, max_rank=8)
+    original = load_checked(adapters["plain"], arch, max_rank=8)
+    changed = load_checked(plain_copy, arch, max_rank=8)
     assert changed.key != original.key
     assert changed.modules[(0, "q_proj")].scaling == 4.0
 
@@ -232,43 +260,43 @@ def test_key_changes_with_alpha(plain_copy, adapters, arch):
 
 def test_missing_directory(tmp_path, arch):
     with pytest.raises(AdapterError, match="does not exist"):
-        load_peft_adapter(tmp_path / "nope", arch, max_rank=8)
+        load_checked(tmp_path / "nope", arch, max_rank=8)
 
 
 def test_not_a_directory(tmp_path, arch):
     (tmp_path / "file").write_text("x")
     with pytest.raises(AdapterError, match="is not a directory"):
-        load_peft_adapter(tmp_path / "file", arch, max_rank=8)
+        load_checked(tmp_path / "file", arch, max_rank=8)
 
 
 def test_missing_config(plain_copy, arch):
     (plain_copy / "adapter_config.json").unlink()
     with pytest.raises(AdapterError, match="adapter_config.json is missing"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_config_not_json(plain_copy, arch):
     (plain_copy / "adapter_config.json").write_text("{'r': 4,")
     with pytest.raises(AdapterError, match="is not valid JSON"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_config_not_an_object(plain_copy, arch):
     (plain_copy / "adapter_config.json").write_text("[1, 2]")
     with pytest.raises(AdapterError, match="must hold a JSON object, got list"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_missing_safetensors(plain_copy, arch):
     (plain_copy / "adapter_model.safetensors").unlink()
     with pytest.raises(AdapterError, match="adapter_model.safetensors is missing"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_pickled_bin_only(plain_copy, arch):
     (plain_copy / "adapter_model.safetensors").rename(plain_copy / "adapter_model.bin")
     with pytest.raises(AdapterError, match=r"pickled \.bin adapters are not supported, convert"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -277,7 +305,7 @@ def test_corrupt_safetensors(damage, plain_copy, arch):
     data = file.read_bytes()
     file.write_bytes(data[: len(data) - 100] if damage == "truncate" else b"\x07" * 64)
     with pytest.raises(AdapterError, match="corrupt or truncated"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 # --- config --------------------------------------------------------------------------
@@ -287,13 +315,13 @@ def test_corrupt_safetensors(damage, plain_copy, arch):
 def test_other_peft_types(peft_type, plain_copy, arch):
     edit_config(plain_copy, peft_type=peft_type)
     with pytest.raises(AdapterError, match=f"peft_type {peft_type!r} is not supported"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_dora_saved_by_peft(base, arch, tmp_path):
     folder = save_peft_config_adapter(base, tmp_path / "dora", use_dora=True)
     with pytest.raises(AdapterError, match="DoRA is not supported"):
-        load_peft_adapter(folder, arch, max_rank=8)
+        load_checked(folder, arch, max_rank=8)
 
 
 @pytest.mark.parametrize(
@@ -317,14 +345,14 @@ def test_dora_saved_by_peft(base, arch, tmp_path):
 def test_unsupported_config_fields(field, value, plain_copy, arch):
     edit_config(plain_copy, **{field: value})
     with pytest.raises(AdapterError, match=rf"^{field}=.* is not supported"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 @pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga"])
 def test_base_modifying_inits(init, plain_copy, arch):
     edit_config(plain_copy, init_lora_weights=init)
     with pytest.raises(AdapterError, match=f"init_lora_weights='{init}' .* modified base"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 @pytest.mark.parametrize(
@@ -340,13 +368,13 @@ def test_base_modifying_inits(init, plain_copy, arch):
 def test_bad_scaling_fields(changes, message, plain_copy, arch):
     edit_config(plain_copy, **changes)
     with pytest.raises(AdapterError, match=message):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_config_rank_disagrees_with_tensors(plain_copy, arch):
     edit_config(plain_copy, r=8)
     with pytest.raises(AdapterError, match="rank 4 in adapter_model.safetensors .* r=8"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 # --- tensors -------------------------------------------------------------------------
@@ -366,14 +394,14 @@ def test_config_rank_disagrees_with_tensors(plain_copy, arch):
 def test_unsupported_tensor_names(new_name, plain_copy, arch):
     edit_tensors(plain_copy, lambda t: t.update({new_name: t.pop(Q_A)}))
     with pytest.raises(AdapterError, match="unsupported target module .* q_proj, k_proj"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_layer_out_of_range(plain_copy, arch):
     name = f"{PREFIX}.7.self_attn.q_proj.lora_A.weight"
     edit_tensors(plain_copy, lambda t: t.update({name: t.pop(Q_A)}))
     with pytest.raises(AdapterError, match="is for layer 7 but the base model has 2 layers"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_adapter_for_another_base(make_peft_adapter, tiny_model_factory, arch, tmp_path):
@@ -382,26 +410,26 @@ def test_adapter_for_another_base(make_peft_adapter, tiny_model_factory, arch, t
     with pytest.raises(
         AdapterError, match=r"q_proj\.lora_[AB]\.weight' has shape \[(4, 96|96, 4)\]"
     ):
-        load_peft_adapter(folder, arch, max_rank=8)
+        load_checked(folder, arch, max_rank=8)
 
 
 def test_wrong_out_features(plain_copy, arch):
     edit_tensors(plain_copy, lambda t: t.update({Q_B: torch.zeros(32, 4)}))
     with pytest.raises(AdapterError, match=r"has shape \[32, 4\], expected \[64, r\]"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 @pytest.mark.parametrize(("drop", "missing"), [(Q_B, "lora_B"), (Q_A, "lora_A")])
 def test_unpaired_tensor(drop, missing, plain_copy, arch):
     edit_tensors(plain_copy, lambda t: t.pop(drop))
     with pytest.raises(AdapterError, match=f"layers.0.q_proj has .* but no {missing}"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_a_and_b_ranks_differ(plain_copy, arch):
     edit_tensors(plain_copy, lambda t: t.update({Q_B: t[Q_B][:, :3].contiguous()}))
     with pytest.raises(AdapterError, match="rank mismatch: .* rank 4 but .* rank 3"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_rank_above_max(adapters, arch):
@@ -409,29 +437,31 @@ def test_rank_above_max(adapters, arch):
         AdapterError,
         match=r"rank 8 of model\.layers\.0\.self_attn\.q_proj exceeds max_lora_rank 4",
     ):
-        load_peft_adapter(adapters["patterns"], arch, max_rank=4)
+        load_checked(adapters["patterns"], arch, max_rank=4)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_values(bad, plain_copy, arch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values(bad, dtype, plain_copy, arch):
     def poison(tensors):
+        tensors[Q_B] = tensors[Q_B].to(dtype)
         tensors[Q_B][3, 1] = bad
 
     edit_tensors(plain_copy, poison)
     with pytest.raises(AdapterError, match=f"'{Q_B}' contains NaN or Inf"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_integer_tensor(plain_copy, arch):
     edit_tensors(plain_copy, lambda t: t.update({Q_A: t[Q_A].to(torch.int32)}))
     with pytest.raises(AdapterError, match="has dtype torch.int32, need floating point"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_no_lora_tensors(plain_copy, arch):
     edit_tensors(plain_copy, lambda t: t.clear())
     with pytest.raises(AdapterError, match="holds no LoRA tensors"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 # --- hostile configs: types, ranges, strict JSON -------------------------------------
@@ -483,19 +513,19 @@ def write_config_literal(folder: Path, field: str, literal: str) -> None:
 def test_config_values_out_of_range(field, literal, message, plain_copy, arch):
     write_config_literal(plain_copy, field, literal)
     with pytest.raises(AdapterError, match=message):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_too_many_pattern_keys(plain_copy, arch):
     edit_config(plain_copy, rank_pattern={f"layers.{i}.q_proj": 4 for i in range(1025)})
     with pytest.raises(AdapterError, match="rank_pattern .* has 1025 keys, over the limit of 1024"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_oversized_config_is_refused(plain_copy, arch):
     edit_config(plain_copy, padding="x" * (1 << 20))
     with pytest.raises(AdapterError, match="adapter_config.json .* over the 1048576-byte limit"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 @pytest.mark.parametrize(("alpha", "b_factor"), [(1e38, 1e3), (1e300, 1.0)])
@@ -503,12 +533,12 @@ def test_scaling_that_overflows_b_is_refused(alpha, b_factor, plain_copy, arch):
     edit_config(plain_copy, lora_alpha=alpha)
     edit_tensors(plain_copy, lambda t: t.update({Q_B: t[Q_B] * b_factor}))
     with pytest.raises(AdapterError, match=f"tensor '{Q_B}' times its scaling .* overflows"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_tiny_alpha_loads_finite(plain_copy, arch):
     edit_config(plain_copy, lora_alpha=5e-324)
-    adapter = load_peft_adapter(plain_copy, arch, max_rank=8)
+    adapter = load_checked(plain_copy, arch, max_rank=8)
     assert all(torch.isfinite(m.b).all() for m in adapter.modules.values())
 
 
@@ -521,7 +551,7 @@ def test_backtracking_regex_key_is_refused_fast(field, key, plain_copy, arch):
     edit_config(plain_copy, **{field: {key: 4}})
     started = time.monotonic()
     with pytest.raises(AdapterError, match="not regular expressions"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
     assert time.monotonic() - started < 1.0
 
 
@@ -529,7 +559,7 @@ def test_backtracking_regex_key_is_refused_fast(field, key, plain_copy, arch):
 def test_regex_only_syntax_is_refused(char, plain_copy, arch):
     edit_config(plain_copy, alpha_pattern={f"q{char}proj": 4.0})
     with pytest.raises(AdapterError, match=r"pattern keys are module-name suffixes or globs"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_the_largest_glob_keys_cost_little(plain_copy, arch):
@@ -543,7 +573,10 @@ def test_the_largest_glob_keys_cost_little(plain_copy, arch):
         rank_pattern={**dict.fromkeys(keys, 8), "*": 4},
     )
     started = time.monotonic()
-    adapter = load_peft_adapter(plain_copy, arch, max_rank=8)
+    validate_peft_adapter(plain_copy, arch, max_rank=8)
+    assert time.monotonic() - started < 10.0
+    started = time.monotonic()
+    adapter = engine_load(plain_copy, arch, max_rank=8)
     assert time.monotonic() - started < 10.0
     assert {m.scaling for m in adapter.modules.values()} == {2.0 / 4}
 
@@ -572,7 +605,7 @@ def test_pattern_keys_pick_what_peft_picks(keys, plain_copy, arch):
 
     pattern = {key: float(10 + i) for i, key in enumerate(keys)}
     edit_config(plain_copy, lora_alpha=8.0, alpha_pattern=pattern)
-    adapter = load_peft_adapter(plain_copy, arch, max_rank=8)
+    adapter = load_checked(plain_copy, arch, max_rank=8)
     assert len(adapter.modules) == arch.num_layers * len(SUPPORTED_MODULES)
     for (layer, module), weights in adapter.modules.items():
         parent = "self_attn" if module in SUPPORTED_MODULES[:4] else "mlp"
@@ -671,13 +704,13 @@ def test_corrupt_safetensors_header(damage, message, plain_copy, arch):
     else:
         write_safetensors(file, *damaged)
     with pytest.raises(AdapterError, match=f"corrupt or truncated: .*{message}"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_file_shorter_than_header_length(plain_copy, arch):
     (plain_copy / "adapter_model.safetensors").write_bytes(b"\x01\x00")
     with pytest.raises(AdapterError, match="corrupt or truncated: 2 bytes, shorter than"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 @pytest.mark.parametrize(("dtype", "torch_name"), [("F64", "float64"), ("I64", "int64")])
@@ -688,7 +721,7 @@ def test_unservable_dtypes(dtype, torch_name, plain_copy, arch):
     header[Q_A]["shape"] = [2, 64]  # same byte size as the [4, 64] float32 tensor
     write_safetensors(file, header, data)
     with pytest.raises(AdapterError, match=f"has dtype torch.{torch_name}, need floating point"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 def test_unknown_dtype(plain_copy, arch):
@@ -697,12 +730,12 @@ def test_unknown_dtype(plain_copy, arch):
     header[Q_A]["dtype"] = "F4"
     write_safetensors(file, header, data)
     with pytest.raises(AdapterError, match="has dtype 'F4', need floating point"):
-        load_peft_adapter(plain_copy, arch, max_rank=8)
+        load_checked(plain_copy, arch, max_rank=8)
 
 
 _MEASURE_LOADS = """
 import json, resource, sys
-from loraplex.adapters.peft_format import AdapterError, load_peft_adapter
+from loraplex.adapters.peft_format import AdapterError, load_peft_adapter, validate_peft_adapter
 from loraplex.platform.arch import ModelArch
 
 def proc_value(file, field):
@@ -716,12 +749,14 @@ def peak_mapped():
     return proc_value("/proc/self/status", "VmPeak:") * 1024
 
 arch = ModelArch.from_folder(sys.argv[1])
-load_peft_adapter(sys.argv[2], arch, 8)  # warm up lazy imports and allocations
+readers = (validate_peft_adapter, load_peft_adapter)
+for reader in readers:
+    reader(sys.argv[2], arch, 8)  # warm up lazy imports and allocations
 results = []
-for folder in sys.argv[3:]:
+for folder, reader in [(folder, reader) for folder in sys.argv[3:] for reader in readers]:
     rss, read, mapped = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, bytes_read(), peak_mapped()
     try:
-        load_peft_adapter(folder, arch, 8)
+        reader(folder, arch, 8)
         outcome = "loaded"
     except AdapterError as err:
         outcome = str(err)
@@ -760,8 +795,11 @@ def test_oversized_safetensors_is_refused_without_reading_it(adapters, base, tmp
     )
     assert child.returncode == 0, child.stderr
     results = json.loads(child.stdout)
-    assert "corrupt or truncated: the tensors take" in results[0]["outcome"]
-    assert f"rank {rows} of model.layers.0.self_attn.q_proj exceeds" in results[1]["outcome"]
+    assert len(results) == 4  # each file through validate_peft_adapter and load_peft_adapter
+    for result in results[:2]:
+        assert "corrupt or truncated: the tensors take" in result["outcome"]
+    for result in results[2:]:
+        assert f"rank {rows} of model.layers.0.self_attn.q_proj exceeds" in result["outcome"]
     for result in results:
         assert result["rss"] < 200 << 20, result
         assert result["read"] < 1 << 20, result
@@ -783,16 +821,16 @@ def tenant_root(adapters, tmp_path) -> Path:
 
 def test_root_loads_the_same_adapter(tenant_root, arch, monkeypatch):
     folder = tenant_root / "acme" / "own"
-    contained = load_peft_adapter(folder, arch, 8, root=tenant_root)
-    free = load_peft_adapter(folder, arch, 8)
+    contained = load_checked(folder, arch, 8, root=tenant_root)
+    free = load_checked(folder, arch, 8)
     assert contained.key == free.key and contained.path == folder
     assert contained.modules.keys() == free.modules.keys()
     for key, weights in contained.modules.items():
         assert torch.equal(weights.a, free.modules[key].a)
         assert torch.equal(weights.b, free.modules[key].b)
     monkeypatch.chdir(tenant_root.parent)
-    assert load_peft_adapter("root/acme/own", arch, 8, root="root").key == free.key
-    assert load_peft_adapter(folder, arch, 8, root="./root/").key == free.key
+    assert load_checked("root/acme/own", arch, 8, root="root").key == free.key
+    assert load_checked(folder, arch, 8, root="./root/").key == free.key
 
 
 @pytest.mark.parametrize("file", ["adapter_model.safetensors", "adapter_config.json"])
@@ -803,8 +841,8 @@ def test_root_refuses_a_linked_file(file, target, tenant_root, arch):
     (folder / file).unlink()
     (folder / file).symlink_to(source / file)
     with pytest.raises(AdapterError, match=f"'{file}' is a symbolic link; tenant adapter files"):
-        load_peft_adapter(folder, arch, 8, root=tenant_root)
-    assert load_peft_adapter(folder, arch, 8).key  # the operator's own loads follow links
+        load_checked(folder, arch, 8, root=tenant_root)
+    assert load_checked(folder, arch, 8).key  # the operator's own loads follow links
 
 
 @pytest.mark.parametrize("target", ["inside", "outside"])
@@ -812,13 +850,13 @@ def test_root_refuses_a_linked_folder(target, tenant_root, arch):
     source = tenant_root / "acme" / "other" if target == "inside" else tenant_root.parent / "secret"
     (tenant_root / "acme" / "link").symlink_to(source, target_is_directory=True)
     with pytest.raises(AdapterError, match="folder 'link' is a symbolic link"):
-        load_peft_adapter(tenant_root / "acme" / "link", arch, 8, root=tenant_root)
+        load_checked(tenant_root / "acme" / "link", arch, 8, root=tenant_root)
 
 
 def test_root_refuses_a_linked_parent_folder(tenant_root, arch):
     (tenant_root / "linked").symlink_to(tenant_root / "acme", target_is_directory=True)
     with pytest.raises(AdapterError, match="folder 'linked' is a symbolic link"):
-        load_peft_adapter(tenant_root / "linked" / "own", arch, 8, root=tenant_root)
+        load_checked(tenant_root / "linked" / "own", arch, 8, root=tenant_root)
 
 
 @pytest.mark.parametrize(
@@ -833,25 +871,25 @@ def test_root_refuses_a_linked_parent_folder(tenant_root, arch):
 )
 def test_root_refuses_paths_not_strictly_inside(where, message, tenant_root, arch):
     with pytest.raises(AdapterError, match=message):
-        load_peft_adapter(f"{tenant_root}/{where}", arch, 8, root=tenant_root)
+        load_checked(f"{tenant_root}/{where}", arch, 8, root=tenant_root)
 
 
 def test_root_refuses_a_path_outside(tenant_root, arch):
     with pytest.raises(AdapterError, match="is not inside"):
-        load_peft_adapter(tenant_root.parent / "secret", arch, 8, root=tenant_root)
+        load_checked(tenant_root.parent / "secret", arch, 8, root=tenant_root)
 
 
 def test_root_missing_folder_and_file(tenant_root, arch):
     with pytest.raises(AdapterError, match="does not exist"):
-        load_peft_adapter(tenant_root / "acme" / "nope", arch, 8, root=tenant_root)
+        load_checked(tenant_root / "acme" / "nope", arch, 8, root=tenant_root)
     with pytest.raises(AdapterError, match="is not a directory"):
-        load_peft_adapter(
+        load_checked(
             tenant_root / "acme" / "own" / "adapter_config.json", arch, 8, root=tenant_root
         )
     folder = tenant_root / "acme" / "own"
     (folder / "adapter_model.safetensors").unlink()
     with pytest.raises(AdapterError, match="adapter_model.safetensors is missing"):
-        load_peft_adapter(folder, arch, 8, root=tenant_root)
+        load_checked(folder, arch, 8, root=tenant_root)
 
 
 @pytest.mark.parametrize("root", [True, False])
@@ -861,7 +899,7 @@ def test_a_fifo_is_refused_without_waiting(root, tenant_root, arch):
     os.mkfifo(folder / "adapter_config.json")
     started = time.monotonic()
     with pytest.raises(AdapterError, match="adapter_config.json is not a regular file"):
-        load_peft_adapter(folder, arch, 8, root=tenant_root if root else None)
+        load_checked(folder, arch, 8, root=tenant_root if root else None)
     assert time.monotonic() - started < 1.0
 
 
@@ -922,7 +960,7 @@ def test_any_config_loads_finite_or_is_refused(changes, fuzz_folder, adapters, a
     (fuzz_folder / "adapter_config.json").write_text(text)
     started = time.monotonic()
     try:
-        adapter = load_peft_adapter(fuzz_folder, arch, max_rank=8)
+        adapter = load_checked(fuzz_folder, arch, max_rank=8)
     except AdapterError:
         pass
     else:

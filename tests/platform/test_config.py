@@ -13,6 +13,8 @@ from loraplex.platform.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    dtype_name,
+    parse_dtype,
 )
 
 
@@ -34,7 +36,7 @@ def test_each_option_lands_in_the_section_that_has_its_field():
             "worker_num_cpus": 0.5,
         },
     )
-    assert config.model == ModelConfig(model="m", dtype=torch.bfloat16, num_threads=3)
+    assert config.model == ModelConfig(model="m", dtype="bfloat16", num_threads=3)
     assert config.cache == CacheConfig(block_size=8)
     assert config.scheduler == SchedulerConfig(policy="priority")
     assert config.lora == LoRAConfig(max_loras=0)
@@ -59,3 +61,27 @@ def test_bad_values_raise_their_section_error():
         EngineConfig.from_options("m", {"dtype": "int8"})
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         EngineConfig.from_options("m", {"block_size": 3})
+
+
+@pytest.mark.parametrize(
+    ("given", "name", "dtype"),
+    [
+        ("fp32", "float32", torch.float32),
+        ("BF16", "bfloat16", torch.bfloat16),
+        ("float16", "float16", torch.float16),
+        (torch.bfloat16, "bfloat16", torch.bfloat16),
+    ],
+)
+def test_a_config_holds_the_dtype_by_name_and_the_engine_gets_the_torch_dtype(given, name, dtype):
+    """Options become names (reading a config needs no torch: the ingress reads them);
+    `parse_dtype` gives the engine the torch dtype of either."""
+    config = EngineConfig.from_options("m", {"dtype": given})
+    assert config.model.dtype == dtype_name(given) == name
+    assert parse_dtype(config.model.dtype) is dtype
+    assert ModelConfig(model="m", dtype=dtype).dtype is dtype
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8", torch.int8, 5])
+def test_a_model_config_refuses_what_the_engine_cannot_compute_in(dtype):
+    with pytest.raises(ValueError):
+        ModelConfig(model="m", dtype=dtype)

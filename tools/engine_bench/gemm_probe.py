@@ -35,6 +35,7 @@ from loraplex.kernels.cache_dir import cache_base
 from loraplex.kernels.cpu_matmul import PackedWeight, cpu_lacks_half_matmul
 from loraplex.kernels.cpu_ops import cpu_identity
 from loraplex.platform.arch import ModelArch
+from loraplex.platform.config import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +122,6 @@ class GemmTimes:
             },
             backend={p: {int(m): str(b) for m, b in t.items()} for p, t in data["backend"].items()},
         )
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _fastest_window(run_pass, calls_per_pass: int, min_timed_s: float) -> float:

@@ -33,11 +33,11 @@ import torch
 from tqdm.auto import tqdm
 
 from loraplex.adapters.peft_format import SUPPORTED_MODULES
-from loraplex.platform.config import parse_dtype_option
+from loraplex.platform.config import dtype_name, parse_dtype_option
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.request import SamplingParams
 from loraplex.tools.engine_bench.ceiling import Ceiling, FixedWorkload, measure_ceiling
-from loraplex.tools.engine_bench.gemm_probe import candidate_dtypes, dtype_name
+from loraplex.tools.engine_bench.gemm_probe import candidate_dtypes
 
 logger = logging.getLogger(__name__)
 

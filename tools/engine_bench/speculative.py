@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from loraplex.platform.config import parse_dtype_option
+from loraplex.platform.config import dtype_name, parse_dtype_option
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.request import SamplingParams
-from loraplex.tools.engine_bench.gemm_probe import dtype_name
 from loraplex.tools.engine_bench.offline import (
     MachineInfo,
     model_vocab_size,

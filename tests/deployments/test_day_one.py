@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from http_calls import api_call
 
 from loraplex.deployments.tenants import hash_key
 
@@ -334,17 +335,7 @@ def call(url: str, method: str, path: str, body: dict | None, key: str = ADMIN_K
 
 
 def call_with_headers(url: str, method: str, path: str, body: dict | None, key: str):
-    request = urllib.request.Request(
-        f"{url}{path}",
-        data=json.dumps(body).encode() if body is not None else None,
-        method=method,
-        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read()), response.headers
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read()), error.headers
+    return api_call(url, key, method, path, body)
 
 
 def test_tokenize_detokenize_and_adapter_admin_calls_have_rates_of_their_own(

@@ -4,14 +4,12 @@ streams answers, and leaves every tensor to the model replicas."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from http_calls import api_call
 from safetensors.torch import load_file, save_file
 
 from loraplex.tools.check import processes
@@ -24,20 +22,6 @@ def _maps_torch(pid: int) -> bool:
     """Whether the process has any of torch's shared libraries mapped."""
     maps = Path(f"/proc/{pid}/maps").read_text()
     return "libtorch" in maps or "/torch/lib/" in maps
-
-
-def _admin(url: str, key: str, method: str, path: str, body: dict | None = None):
-    request = urllib.request.Request(
-        f"{url}{path}",
-        data=json.dumps(body).encode() if body is not None else None,
-        method=method,
-        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def test_importing_the_ingress_imports_no_torch():
@@ -69,11 +53,11 @@ def test_the_ingress_replica_validates_adapters_without_loading_torch(
     key = tenant_keys["acme"]
     url = serve_setup.url
     register = {"model": "tiny", "name": "no-torch", "path": "no-torch/good"}
-    status, body = _admin(url, key, "POST", "/v1/adapters", register)
+    status, body, _ = api_call(url, key, "POST", "/v1/adapters", register)
     assert status == 201, body
-    assert _admin(url, key, "DELETE", "/v1/adapters/tiny/no-torch")[0] == 200
+    assert api_call(url, key, "DELETE", "/v1/adapters/tiny/no-torch")[0] == 200
     register = {"model": "tiny", "name": "no-torch-bad", "path": "no-torch/bad"}
-    status, body = _admin(url, key, "POST", "/v1/adapters", register)
+    status, body, _ = api_call(url, key, "POST", "/v1/adapters", register)
     assert status == 400, body
     assert "contains NaN or Inf" in body["error"]["message"]
 

@@ -4,7 +4,6 @@ blocks, the admin API, tenant isolation, and /metrics."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 import urllib.request
@@ -12,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from http_calls import api_call
 
 from loraplex.platform import LLM, SamplingParams
 
@@ -117,18 +117,8 @@ def install(serve_setup, peft_adapter_factory, tenant: str, folder: str, **optio
 
 
 def admin(serve_url: str, key: str, method: str, path: str, body: dict | None = None):
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(
-        f"{serve_url}{path}",
-        data=data,
-        method=method,
-        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    status, payload, _ = api_call(serve_url, key, method, path, body)
+    return status, payload
 
 
 def test_admin_api_register_call_unload_delete(

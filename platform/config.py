@@ -78,15 +78,13 @@ class ModelConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype != AUTO_DTYPE and not (
-            self.dtype in DTYPE_NAMES or not isinstance(self.dtype, str)
-        ):
+        if not isinstance(self.dtype, str):
+            dtype_name(self.dtype)  # a torch dtype the engine computes in, or ValueError
+        elif self.dtype != AUTO_DTYPE and self.dtype not in DTYPE_NAMES:
             raise ValueError(
                 f"dtype must be one of {DTYPE_NAMES}, a torch dtype or {AUTO_DTYPE!r}, "
                 f"got {self.dtype!r}"
             )
-        if not isinstance(self.dtype, str):
-            dtype_name(self.dtype)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -19,7 +19,8 @@ server:
   integers >= 1, `lora_alpha` and the `alpha_pattern` values finite numbers > 0;
 - pattern keys are never run as regexes: a key matches a module name when it is the
   name or a dotted suffix of it, or, with `*`, `?` or `[`, when it globs the name or a
-  dotted suffix (fnmatch); keys with regex-only syntax are refused;
+  dotted suffix (fnmatch's semantics, matched by adapters/module_globs.py without
+  compiling a regex); keys with regex-only syntax are refused;
 - adapter_model.safetensors: the header (at most 16 MiB) is parsed and checked first:
   dtypes, shapes, offsets that tile the data region, the file's exact size, then tensor
   names, shapes and ranks (<= max_rank, = the config's r). Only then is the data region,
@@ -33,7 +34,6 @@ registration in its own process.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import logging
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from loraplex.adapters import safe_files
+from loraplex.adapters.module_globs import ModuleGlob
 
 if TYPE_CHECKING:
     import torch
@@ -551,16 +552,17 @@ def _scaling(
 
 @dataclass(frozen=True)
 class _PatternRule:
-    """One rank_pattern / alpha_pattern key: a literal dotted suffix, or a glob compiled
-    to match the module name or any of its dotted suffixes."""
+    """One rank_pattern / alpha_pattern key: a literal dotted suffix, or a glob that
+    matches the module name or any of its dotted suffixes (adapters/module_globs.py:
+    fnmatch's semantics, no regular expression compiled)."""
 
     literal: str | None
-    glob: re.Pattern[str] | None
+    glob: ModuleGlob | None
     value: Any
 
-    def matches(self, module_key: str, suffixes: frozenset[str]) -> bool:
+    def matches(self, suffixes: frozenset[str]) -> bool:
         if self.glob is not None:
-            return self.glob.match(module_key) is not None
+            return any(self.glob.fullmatch(suffix) for suffix in suffixes)
         return self.literal in suffixes
 
 
@@ -570,16 +572,8 @@ def _pattern_rules(pattern: dict[str, Any]) -> list[_PatternRule]:
     for key, value in pattern.items():
         if _GLOB_CHARS.isdisjoint(key):
             rules.append(_PatternRule(literal=key, glob=None, value=value))
-            continue
-        # fnmatch's translation has no nested quantifiers (runs of `*` are atomic), and
-        # the prefix only tries each dot of a short module name: linear-time matching.
-        try:
-            glob = re.compile(r"(?:.*\.)?" + fnmatch.translate(key))
-        except re.error as err:
-            raise AdapterError(
-                f"pattern key {reprlib.repr(key)} is not a valid glob: {err}"
-            ) from None
-        rules.append(_PatternRule(literal=None, glob=glob, value=value))
+        else:
+            rules.append(_PatternRule(literal=None, glob=ModuleGlob.parse(key), value=value))
     return rules
 
 
@@ -589,7 +583,7 @@ def _pattern_value(rules: list[_PatternRule], module_key: str, default: Any) -> 
     parts = module_key.split(".")
     suffixes = frozenset(".".join(parts[i:]) for i in range(len(parts)))
     for rule in rules:
-        if rule.matches(module_key, suffixes):
+        if rule.matches(suffixes):
             return rule.value
     return default
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from loraplex.adapters.fetch import FETCHED_DIR
 from loraplex.adapters.store import ADAPTER_FILES, ADAPTER_NAME
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class AdapterEntry:
     root: Path | None = None
     """The owner's adapter root for a tenant adapter (its files are read under it without
     following links, and its copy is pinned to `version`); None for shared adapters."""
+    source: str | None = None
+    """The URI its files were fetched from (display form, no query); None: a folder."""
 
     @property
     def model_id(self) -> str:
@@ -149,7 +152,9 @@ class AdapterCatalog:
         root = self.tenant_root(tenant)
         if check:
             contained_folder(root, record["path"])
-        return AdapterEntry(tenant, base, name, root / record["path"], record["version"], root)
+        return AdapterEntry(
+            tenant, base, name, root / record["path"], record["version"], root, record.get("source")
+        )
 
     def model_ids(self, base: str) -> list[str]:
         """The multiplexed model ids of every adapter of `base` the catalog holds now,
@@ -197,9 +202,28 @@ class AdapterCatalog:
         tenant_root.mkdir(parents=True, exist_ok=True)
         return contained_folder(tenant_root, relative_path)
 
+    def fetched_in_use(self) -> set[Path]:
+        """The fetched folders (`<tenant>/.fetched/<sha256>`) some entry names now."""
+        self._refresh()
+        return {
+            self.tenant_root(tenant) / record["path"]
+            for tenant, records in self._data["tenants"].items()
+            for record in records.values()
+            if record["path"].startswith(f"{FETCHED_DIR}/")
+        }
+
     def register(
-        self, tenant: str, base: str, name: str, relative_path: str, max_adapters: int
+        self,
+        tenant: str,
+        base: str,
+        name: str,
+        relative_path: str,
+        max_adapters: int,
+        source: str | None = None,
+        replace_only: bool = False,
     ) -> AdapterEntry:
+        """Records the adapter (a new version when the name exists); `replace_only`: 404
+        unless it exists (an update)."""
         if not ADAPTER_NAME.match(name):
             raise CatalogError(
                 400, f"adapter name {name!r} must be 1-64 letters, digits, '.', '_' or '-'"
@@ -210,6 +234,8 @@ class AdapterCatalog:
             data = self._read() if self._file.exists() else {"next_version": 1, "tenants": {}}
             records = data["tenants"].setdefault(tenant, {})
             key = f"{base}:{name}"
+            if replace_only and key not in records:
+                raise CatalogError(404, f"adapter {key} does not exist")
             if key not in records and len(records) >= max_adapters:
                 raise CatalogError(403, f"tenant {tenant!r} may register {max_adapters} adapters")
             version = data["next_version"]
@@ -218,9 +244,18 @@ class AdapterCatalog:
                 "path": str(folder.relative_to(tenant_root.resolve())),
                 "version": version,
             }
+            if source is not None:
+                records[key]["source"] = source
             self._write(data)
-        logger.info("tenant %s registered adapter %s -> %s (v%d)", tenant, key, folder, version)
-        return AdapterEntry(tenant, base, name, folder, version, tenant_root)
+        logger.info(
+            "tenant %s registered adapter %s -> %s (v%d%s)",
+            tenant,
+            key,
+            folder,
+            version,
+            f", from {source}" if source else "",
+        )
+        return AdapterEntry(tenant, base, name, folder, version, tenant_root, source)
 
     def unload(self, tenant: str, base: str, name: str) -> AdapterEntry:
         """Gives the adapter a new version: replicas drop their copies, the next request

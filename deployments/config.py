@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from loraplex.adapters.fetch import FetchLimits
 from loraplex.adapters.peft_format import CONFIG_NAME
+from loraplex.adapters.sources import AdapterSource
 from loraplex.deployments.catalog import ADAPTER_NAME
 from loraplex.deployments.tenants import OperatorConfig, TenantConfig
 from loraplex.platform.config import SPECULATIVE_OPTION, EngineConfig
@@ -284,6 +286,15 @@ class PlatformConfig(StrictConfig):
         default_factory=default_adapter_root,
         description="tenant adapters are registered from <adapter_root>/<tenant>/...",
     )
+    adapter_fetch: FetchLimits = Field(
+        default_factory=FetchLimits,
+        description="bounds on adapters registered by URI (adapters/fetch.py)",
+    )
+    adapter_sources: list[AdapterSource] = Field(
+        default_factory=list,
+        description="with `auth: none`: the URI prefixes anyone may register adapters "
+        "from (with tenants, each tenant lists its own)",
+    )
     log_prompts: bool = Field(
         False, description="log each request's prompt or messages (off: ids and sizes only)"
     )
@@ -316,6 +327,11 @@ class PlatformConfig(StrictConfig):
             )
         if self.auth == "none" and self.tenants:
             raise ValueError("`auth: none` with tenants listed: remove one or the other")
+        if self.adapter_sources and self.tenants:
+            raise ValueError(
+                "top-level adapter_sources is for `auth: none`; with tenants, list "
+                "adapter_sources per tenant"
+            )
         return self
 
     def shared_adapters(self) -> dict[str, dict[str, str]]:

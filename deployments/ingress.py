@@ -16,8 +16,10 @@ one is configured; without one (and with tenants) it hides tenant and adapter na
 
 Admin API (a tenant manages its own adapters, nobody else's):
     GET    /v1/adapters                         list
-    POST   /v1/adapters                         register {model, name, path}; path is
-                                                relative to <adapter_root>/<tenant>/
+    POST   /v1/adapters                         register {model, name, path | uri}; path
+                                                is relative to <adapter_root>/<tenant>/,
+                                                uri under one of the tenant's sources
+    PUT    /v1/adapters/{model}/{name}          new files for an adapter {path | uri}
     POST   /v1/adapters/{model}/{name}/unload   drop every replica's copy
     DELETE /v1/adapters/{model}/{name}          unregister
 """
@@ -29,7 +31,7 @@ import logging
 import time
 import types
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import ray
@@ -43,9 +45,10 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.deployments.adapter_fetching import AdapterFetching
 from loraplex.deployments.adapter_validation import AdapterValidator
 from loraplex.deployments.admission import FleetAdmission
-from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
+from loraplex.deployments.catalog import SHARED, AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import (
     ModelDeploymentConfig,
     PlatformConfig,
@@ -63,6 +66,7 @@ from loraplex.deployments.metrics import (
 from loraplex.deployments.openapi import openapi_document
 from loraplex.deployments.protocol import (
     AdapterCard,
+    AdapterFiles,
     AdapterList,
     ArmFailpointRequest,
     ChatCompletionRequest,
@@ -87,7 +91,7 @@ from loraplex.deployments.tenants import (
     bearer_digest,
 )
 from loraplex.deployments.tool_calls import ToolCalling
-from loraplex.deployments.wire import GenerateCall, GenerateError, StreamStep
+from loraplex.deployments.wire import ADAPTER_REPLACED, GenerateCall, GenerateError, StreamStep
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,8 @@ ADMIN_CALL_S = 30.0
 FIRST_STEP_POLL_S = 1.0
 """How often a request waiting for its first step re-reads its model's readiness."""
 Body = TypeVar("Body", bound=BaseModel)
+REPLACED_RESENDS = 3
+"""How many times a call whose adapter version was replaced in flight is sent again."""
 
 app = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
 app.add_middleware(InFlightGate)
@@ -114,6 +120,7 @@ REQUEST_BODIES = {
     ("/v1/detokenize", "post"): DetokenizeRequest,
     ("/detokenize", "post"): DetokenizeRequest,
     ("/v1/adapters", "post"): RegisterAdapterRequest,
+    ("/v1/adapters/{model}/{name}", "put"): AdapterFiles,
     ("/v1/admin/failpoints", "post"): ArmFailpointRequest,
 }
 """The bodies the POST handlers parse themselves (`parse_body`), for /openapi.json."""
@@ -261,7 +268,11 @@ def _error_event(error: OpenAIError) -> str:
 
 def _card(entry: AdapterEntry) -> AdapterCard:
     return AdapterCard(
-        id=entry.public_id, parent=entry.base, name=entry.name, version=entry.version
+        id=entry.public_id,
+        parent=entry.base,
+        name=entry.name,
+        version=entry.version,
+        source=entry.source,
     )
 
 
@@ -497,8 +508,9 @@ class OpenAIIngress:
         self.registry = registry
         self.bases = [model.name for model in config.models]
         self.servers = dict(zip(self.bases, servers, strict=True))
-        self.tenants = Tenants(config.tenants)
+        self.tenants = Tenants(config.tenants, tuple(config.adapter_sources))
         self.catalog = AdapterCatalog(config.adapter_root, config.shared_adapters())
+        self.fetching = AdapterFetching(config.adapter_fetch, self.catalog)
         set_gate_limit(config.ingress.max_ongoing_requests)
         self.limits = RateLimiter()
         self.operator_digests = frozenset(config.operator.key_digests())
@@ -956,8 +968,11 @@ class OpenAIIngress:
                 result[0].cancel()
         raise failure
 
-    async def _start(self, route: Route, call: GenerateCall):
-        """Calls the model deployment; returns (response stream, its first step)."""
+    async def _start(self, route: Route, call: GenerateCall, resends: int = REPLACED_RESENDS):
+        """Calls the model deployment; returns (response stream, its first step). A call
+        whose adapter version was replaced between its routing and its replica (an
+        update, an unload) is sent again with the catalog's current version, up to
+        `resends` times."""
         handle = self.servers[route.base].options(stream=True, multiplexed_model_id=route.model_id)
         steps = handle.generate.remote(call)
         try:
@@ -967,8 +982,36 @@ class OpenAIIngress:
         except RayError as exc:
             raise replica_failed(route.base, call.request_id, exc) from None
         if isinstance(first, GenerateError):
-            raise _generate_error(first)
+            replaced = first.code == ADAPTER_REPLACED and resends > 0
+            current = self._current_version(route) if replaced else None
+            if current is None:
+                raise _generate_error(first)
+            logger.info(
+                "request %s: adapter %s replaced meanwhile; sent again as %s",
+                call.request_id,
+                route.model_id,
+                current.model_id,
+            )
+            return await self._start(current, call, resends - 1)
         return steps, first
+
+    def _current_version(self, route: Route) -> Route | None:
+        """`route` with its adapter's current catalog version, None when the adapter
+        is gone or still at the same version."""
+        entry = route.adapter
+        if entry is None:
+            return None
+        try:
+            current = (
+                self.catalog.find_shared(entry.base, entry.name)
+                if entry.owner == SHARED
+                else self.catalog.find_tenant(entry.owner, entry.base, entry.name)
+            )
+        except CatalogError:
+            return None
+        if current is None or current.model_id == entry.model_id:
+            return None
+        return dataclasses.replace(route, adapter=current)
 
     async def _first_step(self, base: str, request_id: str, steps) -> StreamStep | GenerateError:
         """The call's first step. While the model has no running replica but one is
@@ -1093,30 +1136,55 @@ class OpenAIIngress:
 
     @app.post("/v1/adapters", status_code=201)
     async def register_adapter(self, request: Request) -> AdapterCard:
-        """Validates the folder in this process (adapter_validation.py, off the model's
-        request path), records it in the catalog and warms it on one replica.
-        Counts against the tenant's `admin_requests_per_minute`."""
+        """Fetches the adapter when it is named by URI (adapter_fetching.py), validates
+        its folder in this process (adapter_validation.py, off the model's request
+        path), records it in the catalog and warms it on one replica. Counts against
+        the tenant's `admin_requests_per_minute`."""
         tenant = self._tenant(request)
         body = await parse_body(request, RegisterAdapterRequest)
         self._check_base(tenant, body.model)
         self._count_admin_call(tenant)
+        return await self._record_adapter(tenant, body.model, body.name, body, replace=False)
+
+    @app.put("/v1/adapters/{model}/{name}")
+    async def update_adapter(self, model: str, name: str, request: Request) -> AdapterCard:
+        """New files for an existing adapter: a new version under the same name. Requests
+        already running finish on the old version; later ones get the new one."""
+        tenant = self._tenant(request)
+        body = await parse_body(request, AdapterFiles)
+        self._check_base(tenant, model)
+        self._count_admin_call(tenant)
+        return await self._record_adapter(tenant, model, name, body, replace=True)
+
+    async def _record_adapter(
+        self, tenant: Tenant, base: str, name: str, files: AdapterFiles, replace: bool
+    ) -> AdapterCard:
+        source = None
+        relative = files.path
+        if files.uri is not None:
+            fetched, source = await self.fetching.fetch(tenant, files.uri)
+            relative = fetched.relative
         try:
-            folder = self.catalog.checked_folder(tenant.name, body.path)
+            folder = self.catalog.checked_folder(tenant.name, relative)
         except CatalogError as exc:
             raise _catalog_error(exc) from None
-        await self.validator.check(body.model, folder, self.catalog.tenant_root(tenant.name))
+        await self.validator.check(base, folder, self.catalog.tenant_root(tenant.name))
         try:
             entry = await asyncio.to_thread(
                 self.catalog.register,
                 tenant.name,
-                body.model,
-                body.name,
-                body.path,
+                base,
+                name,
+                relative,
                 tenant.max_adapters,
+                source,
+                replace,
             )
         except CatalogError as exc:
             raise _catalog_error(exc) from None
-        self._prefetch(body.model, entry.model_id)
+        self._prefetch(base, entry.model_id)
+        if source is not None:
+            self._in_background(self.fetching.evict())
         return _card(entry)
 
     def _prefetch(self, base: str, model_id: str) -> None:
@@ -1125,7 +1193,10 @@ class OpenAIIngress:
         failed prefetch only means the first request loads it."""
         handle = self.servers[base].options(multiplexed_model_id=model_id)
         response = handle.prefetch_adapter.remote()
-        task = asyncio.ensure_future(_settle_prefetch(response, model_id))
+        self._in_background(_settle_prefetch(response, model_id))
+
+    def _in_background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

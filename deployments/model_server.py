@@ -61,7 +61,13 @@ from loraplex.deployments.logprobs import TokenTexts
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics, ProcessMemory
 from loraplex.deployments.residency import HEARTBEAT_S, PUBLISH_PERIOD_S, ReplicaResidency
-from loraplex.deployments.wire import GenerateCall, GenerateError, StreamDelta, StreamStep
+from loraplex.deployments.wire import (
+    ADAPTER_REPLACED,
+    GenerateCall,
+    GenerateError,
+    StreamDelta,
+    StreamStep,
+)
 from loraplex.platform.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -77,6 +83,12 @@ from loraplex.platform.request_limits import fit_request
 logger = logging.getLogger(__name__)
 STATS_PERIOD_S = 2.0
 OVERLOADED = "overloaded"
+
+
+class AdapterReplacedError(LookupError):
+    """The call's adapter version is no longer in the catalog and not held here."""
+
+
 RETRY_ELSEWHERE_S = 2
 """Retry-After of a request that a dead, stalled or stopping replica ended."""
 
@@ -235,7 +247,9 @@ class ModelServer:
             return held
         entry = self.catalog.by_model_id(self.config.name, model_id)
         if entry is None:
-            raise LookupError(f"adapter {model_id!r} is not in the catalog (deleted or replaced)")
+            raise AdapterReplacedError(
+                f"adapter {model_id!r} is not in the catalog (deleted or replaced)"
+            )
         started = time.perf_counter()
         try:
             adapter = await self.engine.load_adapter(
@@ -439,6 +453,10 @@ class ModelServer:
                     first_token_s = time.perf_counter() - started
                     self.admission.started(call.request_id)
                 yield step
+        except AdapterReplacedError as exc:
+            logger.info("request %s: %s", call.request_id, exc)
+            yield GenerateError(404, str(exc), code=ADAPTER_REPLACED)
+            return
         except (ValueError, LookupError) as exc:
             logger.info("request %s rejected: %s", call.request_id, exc)
             yield GenerateError(404 if isinstance(exc, LookupError) else 400, str(exc))

@@ -532,14 +532,33 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class RegisterAdapterRequest(StrictModel):
-    """Admin API: register one of the caller's adapter folders under a name."""
+class AdapterFiles(StrictModel):
+    """Where an adapter's files are: a folder under the tenant's root, or a URI under one
+    of the tenant's adapter sources (fetched by the ingress, content-addressed)."""
+
+    path: str | None = Field(
+        None, min_length=1, max_length=1024, description="folder relative to the tenant's root"
+    )
+    uri: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2048,
+        description="s3://, gs:// or https:// folder under one of the tenant's adapter_sources",
+    )
+
+    @model_validator(mode="after")
+    def _one_location(self) -> AdapterFiles:
+        if (self.path is None) == (self.uri is None):
+            raise ValueError("give exactly one of `path` or `uri`")
+        return self
+
+
+class RegisterAdapterRequest(AdapterFiles):
+    """Admin API: register one of the caller's adapters under a name (again: a new
+    version under that name)."""
 
     model: str = Field(min_length=1, max_length=256, description="base model it adapts")
     name: str = Field(min_length=1, max_length=64, description="called as '<model>:<name>'")
-    path: str = Field(
-        min_length=1, max_length=1024, description="folder relative to the tenant's root"
-    )
 
     @field_validator("name")
     @classmethod
@@ -575,6 +594,8 @@ class AdapterCard(BaseModel):
     parent: str
     name: str
     version: int
+    source: str | None = None
+    """The URI it was fetched from (without its query), None for a folder."""
 
 
 class AdapterList(BaseModel):

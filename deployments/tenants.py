@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from loraplex.adapters.sources import AdapterSource
+
 TENANT_NAME = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 ANONYMOUS = "anonymous"
 
@@ -81,6 +83,11 @@ class TenantConfig(ApiKeys):
         "(prompt + n x max_tokens) is reserved at admission and settled when it ends",
     )
     max_adapters: int = Field(64, ge=0, description="adapters it may register")
+    adapter_sources: list[AdapterSource] = Field(
+        default_factory=list,
+        description="URI prefixes it may register adapters from, with their credentials "
+        "(adapters/sources.py); none: folders under its adapter root only",
+    )
     tokenize_requests_per_minute: int | None = Field(
         600,
         ge=1,
@@ -120,6 +127,7 @@ class Tenant:
     weight: float = 1.0
     tokenize_requests_per_minute: int | None = None
     admin_requests_per_minute: int | None = None
+    adapter_sources: tuple[AdapterSource, ...] = ()
 
     def may_use_base(self, base: str) -> bool:
         return "*" in self.models or base in self.models
@@ -131,8 +139,8 @@ class Tenant:
         return bool({f"{base}:{adapter}", f"{base}:*", "*:*"} & allowed)
 
     @classmethod
-    def anonymous(cls) -> Tenant:
-        return cls(ANONYMOUS, frozenset({"*"}), frozenset({"*:*"}))
+    def anonymous(cls, adapter_sources: tuple[AdapterSource, ...] = ()) -> Tenant:
+        return cls(ANONYMOUS, frozenset({"*"}), frozenset({"*:*"}), adapter_sources=adapter_sources)
 
 
 class AuthError(Exception):
@@ -140,7 +148,11 @@ class AuthError(Exception):
 
 
 class Tenants:
-    def __init__(self, configs: list[TenantConfig]) -> None:
+    def __init__(
+        self, configs: list[TenantConfig], anonymous_sources: tuple[AdapterSource, ...] = ()
+    ) -> None:
+        """`anonymous_sources`: the adapter sources of every caller when no tenant is
+        configured (authentication off)."""
         self._by_digest: dict[str, Tenant] = {}
         for config in configs:
             tenant = Tenant(
@@ -153,13 +165,14 @@ class Tenants:
                 weight=config.weight,
                 tokenize_requests_per_minute=config.tokenize_requests_per_minute,
                 admin_requests_per_minute=config.admin_requests_per_minute,
+                adapter_sources=tuple(config.adapter_sources),
             )
             for digest in config.key_digests():
                 if digest in self._by_digest:
                     raise ValueError(f"an API key of tenant {config.name!r} is used twice")
                 self._by_digest[digest] = tenant
         self.auth_enabled = bool(configs)
-        self._anonymous = Tenant.anonymous()
+        self._anonymous = Tenant.anonymous(anonymous_sources)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant holding the `Authorization: Bearer <key>` key; AuthError if none."""

@@ -75,6 +75,12 @@ class StreamStep:
     token, the first unscored."""
 
 
+ADAPTER_REPLACED = "adapter_replaced"
+"""GenerateError code: the call's adapter version is gone from the catalog (updated,
+unloaded or deleted) and this replica holds no copy of it; the ingress retries once
+with the catalog's current version, if there is one."""
+
+
 @dataclass(frozen=True)
 class GenerateError:
     """A refused or failed request; the first item of a stream, or its last."""
@@ -84,4 +90,4 @@ class GenerateError:
     param: str | None = None
     retry_after_s: int | None = None
     code: str | None = None
-    """`overloaded`: refused for load (admission)."""
+    """`overloaded`: refused for load (admission); `adapter_replaced` (ADAPTER_REPLACED)."""

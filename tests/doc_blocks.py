@@ -141,6 +141,12 @@ BLOCKS: dict[tuple[str, str], BlockCoverage] = {
         "merged into serve_config.yaml, parsed by Serve's ServeDeploySchema; the "
         "deployment it names is one the session's app runs",
     ),
+    ("docs/serving.md", "tenants:"): BlockCoverage(
+        ENGINE,
+        EXECUTED,
+        "replaces serve_config.yaml's tenants, parsed by deployments/config.py; each "
+        "source's storage options built",
+    ),
     ("docs/serving.md", "schema = "): BlockCoverage(
         APP,
         EXECUTED,

@@ -134,7 +134,15 @@ def test_engine_python_block_runs(block, engine_values):
     assert done.returncode == 0, f"{block.where} failed:\n{done.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("block", blocks_run(ENGINE, "yaml"), ids=lambda block: block.where)
+def yaml_blocks_starting(start: str) -> list:
+    return [b for b in blocks_run(ENGINE, "yaml") if b.first_line.startswith(start)]
+
+
+def test_every_engine_yaml_block_is_a_model_entry_or_tenants():
+    assert {b.first_line.split(":")[0] for b in blocks_run(ENGINE, "yaml")} <= {"engine", "tenants"}
+
+
+@pytest.mark.parametrize("block", yaml_blocks_starting("engine:"), ids=lambda block: block.where)
 def test_engine_yaml_block_is_a_valid_model_entry(block, monkeypatch):
     """The block is part of a `models` entry: merged into serve_config.yaml's first model,
     the app's config loader (what build_app parses) must accept it and hand each value
@@ -149,6 +157,32 @@ def test_engine_yaml_block_is_a_valid_model_entry(block, monkeypatch):
     speculative = config.models[0].engine_config().speculative
     for option, value in fragment["engine"]["speculative_config"].items():
         assert getattr(speculative, option) == value, f"{block.where}: {option}"
+
+
+@pytest.mark.parametrize("block", yaml_blocks_starting("tenants:"), ids=lambda block: block.where)
+def test_tenants_yaml_block_is_a_valid_tenants_list(block, monkeypatch, tmp_path):
+    """The block replaces serve_config.yaml's tenants: the app's config loader accepts
+    it, and every adapter source builds its storage options once its credential
+    references resolve (to values set here)."""
+    from loraplex.deployments.config import PlatformConfig
+
+    monkeypatch.chdir(REPO)
+    fragment = yaml.safe_load(block.text)
+    config = PlatformConfig.model_validate({**serve_config_args(), **fragment})
+    sources = [source for tenant in config.tenants for source in tenant.adapter_sources]
+    assert sources, f"{block.where}: no adapter source"
+    for source in sources:
+        for field in ("access_key_id", "secret_access_key", "session_token", "bearer_token"):
+            reference = getattr(source, field)
+            if reference is not None and reference.env is not None:
+                monkeypatch.setenv(reference.env, f"value-of-{field}")
+            elif reference is not None:
+                secret = tmp_path / field
+                secret.write_text(f"value-of-{field}")
+                source = source.model_copy(update={field: type(reference)(file=str(secret))})
+        access = source.access()
+        assert access.storage_options, source.prefix
+        assert repr(access).count("value-of-") == 0
 
 
 def serve_config_args() -> dict:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.adapters.sources import AdapterUri, SourceAccess
@@ -126,7 +126,10 @@ class AdapterFetcher:
                 self._in_flight[key] = own
         if running is not None:
             logger.info("adapter %s: joining a fetch already under way", uri.display)
-            return running.result(timeout=self.limits.timeout_s)
+            try:
+                return running.result(timeout=self.limits.timeout_s)
+            except TimeoutError:
+                raise _still_fetching(uri) from None
         try:
             result = self._fetch_locked(tenant_root, uri, access)
         except BaseException as exc:
@@ -145,7 +148,11 @@ class AdapterFetcher:
         fetched = tenant_root / FETCHED_DIR
         (fetched / ".locks").mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256(uri.file("").encode()).hexdigest()[:32]
-        with FileLock(str(fetched / ".locks" / digest)):
+        try:
+            lock = FileLock(str(fetched / ".locks" / digest)).acquire(timeout=self.limits.timeout_s)
+        except Timeout:
+            raise _still_fetching(uri) from None
+        with lock:
             return _Fetch(self.limits, fetched, uri, access, fetched / f".uri-{digest}.json").run()
 
     def evict(self, adapter_root: Path, in_use: set[Path]) -> list[Path]:
@@ -168,6 +175,47 @@ class AdapterFetcher:
             removed.append(folder)
             logger.info("evicted fetched adapter folder %s (%d bytes, unused)", folder, size)
         return removed
+
+
+def _still_fetching(uri: AdapterUri) -> FetchError:
+    return FetchError(
+        503, f"{uri.display}: another fetch of it is still running; retry", "fetch_timeout"
+    )
+
+
+def content_line(name: str, size: int, file_sha256: str) -> bytes:
+    """One file's part of a folder's content hash (the folder's name)."""
+    return f"{name}\0{size}\0{file_sha256}\n".encode()
+
+
+def store_files(tenant_root: Path, files: dict[str, bytes]) -> FetchedAdapter:
+    """Writes an adapter's files (bytes in hand: a trainer's push) into the tenant's
+    content-addressed folders, as a fetch would have named them."""
+    fetched = tenant_root / FETCHED_DIR
+    fetched.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=fetched, prefix=PARTIAL_PREFIX))
+    try:
+        content = hashlib.sha256()
+        for name in sorted(files):
+            data = files[name]
+            (partial / name).write_bytes(data)
+            content.update(content_line(name, len(data), hashlib.sha256(data).hexdigest()))
+        folder = _settle(partial, fetched / content.hexdigest())
+        return FetchedAdapter(folder, folder.name, sum(map(len, files.values())), True)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _settle(partial: Path, folder: Path) -> Path:
+    """Renames a complete partial folder to its content name; when that folder exists
+    already (the same bytes), marks it used and leaves the partial to be removed."""
+    try:
+        partial.rename(folder)
+    except OSError:
+        if not _is_content_folder(folder):
+            raise
+        os.utime(folder)
+    return folder
 
 
 def _is_content_folder(path: Path) -> bool:
@@ -316,18 +364,12 @@ class _Fetch:
             expected = sum(size or 0 for size in listing.sizes.values())
             for name in ADAPTER_FILES:
                 file_hash, size = self._copy(name, partial / name, total, expected)
-                content.update(f"{name}\0{size}\0{file_hash}\n".encode())
+                content.update(content_line(name, size, file_hash))
                 total += size
             if self._listing().versions != listing.versions:
                 raise self._changed()
             sha = content.hexdigest()
-            folder = self.fetched / sha
-            try:
-                partial.rename(folder)
-            except OSError:
-                if not _is_content_folder(folder):
-                    raise
-                os.utime(folder)
+            folder = _settle(partial, self.fetched / sha)
             self._write_index(sha, total, listing)
             return FetchedAdapter(folder, sha, total, downloaded=True)
         finally:

@@ -45,6 +45,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.adapters.fetch import store_files
 from loraplex.deployments.adapter_fetching import AdapterFetching
 from loraplex.deployments.adapter_validation import AdapterValidator
 from loraplex.deployments.admission import FleetAdmission
@@ -91,6 +92,7 @@ from loraplex.deployments.tenants import (
     bearer_digest,
 )
 from loraplex.deployments.tool_calls import ToolCalling
+from loraplex.deployments.trainer import PUSHED_SOURCE, AdapterPushRefused, adapter_files
 from loraplex.deployments.wire import ADAPTER_REPLACED, GenerateCall, GenerateError, StreamStep
 
 logger = logging.getLogger(__name__)
@@ -1156,10 +1158,44 @@ class OpenAIIngress:
         self._count_admin_call(tenant)
         return await self._record_adapter(tenant, model, name, body, replace=True)
 
+    async def push_adapter(
+        self,
+        tenant_name: str,
+        base: str,
+        name: str,
+        weights: dict[str, Any],
+        config: dict[str, Any],
+    ) -> dict[str, Any]:
+        """A trainer's push (deployments/trainer.py, through a Serve handle, no HTTP):
+        the tensors as numpy arrays from Ray's object store and the PEFT config, written
+        into the tenant's content-addressed folders and registered as `base:name` (a new
+        version when the name exists) after the usual validation. Returns the card;
+        AdapterPushRefused with the status a registration would have got."""
+        tenant = self.tenants.named(tenant_name)
+        try:
+            if tenant is None:
+                raise OpenAIError(404, f"no tenant {tenant_name!r}")
+            self._check_base(tenant, base)
+            files = adapter_files(weights, config, self.fetching.fetcher.limits.max_bytes)
+            root = self.catalog.tenant_root(tenant.name)
+            stored = await asyncio.to_thread(store_files, root, files)
+            card = await self._record_adapter(
+                tenant, base, name, AdapterFiles(path=stored.relative), False, PUSHED_SOURCE
+            )
+        except OpenAIError as exc:
+            raise AdapterPushRefused(exc.status, exc.message) from None
+        logger.info("tenant %s pushed adapter %s:%s (v%d)", tenant_name, base, name, card.version)
+        return card.model_dump()
+
     async def _record_adapter(
-        self, tenant: Tenant, base: str, name: str, files: AdapterFiles, replace: bool
+        self,
+        tenant: Tenant,
+        base: str,
+        name: str,
+        files: AdapterFiles,
+        replace: bool,
+        source: str | None = None,
     ) -> AdapterCard:
-        source = None
         relative = files.path
         if files.uri is not None:
             fetched, source = await self.fetching.fetch(tenant, files.uri)

@@ -174,6 +174,12 @@ class Tenants:
         self.auth_enabled = bool(configs)
         self._anonymous = Tenant.anonymous(anonymous_sources)
 
+    def named(self, name: str) -> Tenant | None:
+        """The tenant called `name` (the anonymous one when authentication is off)."""
+        if not self.auth_enabled:
+            return self._anonymous if name == ANONYMOUS else None
+        return next((t for t in self._by_digest.values() if t.name == name), None)
+
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant holding the `Authorization: Bearer <key>` key; AuthError if none."""
         if not self.auth_enabled:

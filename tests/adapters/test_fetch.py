@@ -5,6 +5,7 @@ URI, refusals before any download, slow and replaced objects, and the cache's ev
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import logging
 import os
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from s3_server import s3_server, throttled
 
 from loraplex.adapters.fetch import (
@@ -236,3 +238,19 @@ def test_an_http_folder_is_fetched_with_its_bearer_token(http_folder, tmp_path, 
     with pytest.raises(FetchError) as missing:
         fetch(source, f"{url}/team/none", tmp_path / "other")
     assert missing.value.status == 404
+
+
+def test_a_fetch_waiting_on_another_process_past_the_deadline_fails_with_503(s3, team_a, tmp_path):
+    """Another process (here: this test) holds the URI's lock; the fetch gives up after
+    `timeout_s` with a 503 instead of waiting on."""
+    put_adapter(s3, "team-a/locked-elsewhere")
+    uri = parse_adapter_uri("s3://adapters/team-a/locked-elsewhere")
+    locks = tmp_path / FETCHED_DIR / ".locks"
+    locks.mkdir(parents=True)
+    digest = hashlib.sha256(uri.file("").encode()).hexdigest()[:32]
+    hurried = AdapterFetcher(LIMITS.model_copy(update={"timeout_s": 1.0}))
+    with FileLock(str(locks / digest)):
+        with pytest.raises(FetchError) as waited:
+            hurried.fetch(tmp_path, uri, team_a.access())
+    assert (waited.value.status, waited.value.code) == (503, "fetch_timeout")
+    assert AdapterFetcher(LIMITS).fetch(tmp_path, uri, team_a.access()).downloaded

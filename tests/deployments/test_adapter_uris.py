@@ -80,6 +80,11 @@ def call(url: str, tenant: str, method: str, path: str, body: dict | None = None
     return status, answer
 
 
+def register(url: str, tenant: str, name: str, uri: str, **extra: str):
+    body = {"model": MODEL, "name": name, "uri": uri, **extra}
+    return call(url, tenant, "POST", "/v1/adapters", body)
+
+
 def greedy(url: str, tenant: str, model: str) -> tuple[int, list[str] | dict]:
     body = {"model": model, "prompt": [3, 1, 4, 1, 5], "max_tokens": 8, "temperature": 0}
     body["logprobs"] = 0
@@ -91,13 +96,7 @@ def greedy(url: str, tenant: str, model: str) -> tuple[int, list[str] | dict]:
 
 def test_an_adapter_registered_by_uri_serves_updates_and_deletes(uri_app):
     url, _, _ = uri_app
-    status, card = call(
-        url,
-        "t1",
-        "POST",
-        "/v1/adapters",
-        {"model": MODEL, "name": "mine", "uri": "s3://adapters/t1/sa-copy/"},
-    )
+    status, card = register(url, "t1", "mine", "s3://adapters/t1/sa-copy/")
     assert status == 201, card
     assert card["source"] == "s3://adapters/t1/sa-copy" and card["id"] == f"{MODEL}:mine"
     _, as_shared = greedy(url, "t1", f"{MODEL}:sa")
@@ -126,17 +125,9 @@ def test_an_adapter_registered_by_uri_serves_updates_and_deletes(uri_app):
 def test_tenants_reach_only_their_own_prefix(uri_app):
     url, _, _ = uri_app
     for tenant, uri in itertools.product(("t2", "t3"), ("s3://adapters/t1/sa-copy",)):
-        status, refused = call(
-            url, tenant, "POST", "/v1/adapters", {"model": MODEL, "name": "x", "uri": uri}
-        )
+        status, refused = register(url, tenant, "x", uri)
         assert status == 403 and "not under any adapter source" in refused["error"]["message"]
-    status, card = call(
-        url,
-        "t2",
-        "POST",
-        "/v1/adapters",
-        {"model": MODEL, "name": "own", "uri": "s3://adapters/t2/own"},
-    )
+    status, card = register(url, "t2", "own", "s3://adapters/t2/own")
     assert status == 201, card
     assert greedy(url, "t2", f"{MODEL}:own")[0] == 200
     assert greedy(url, "t1", f"{MODEL}:own")[0] == 404, "another tenant's adapter is invisible"
@@ -145,17 +136,9 @@ def test_tenants_reach_only_their_own_prefix(uri_app):
         ("file:///etc/passwd", 400),
         ("s3://adapters/t1/nothing", 404),
     ):
-        status, answer = call(
-            url, "t1", "POST", "/v1/adapters", {"model": MODEL, "name": "y", "uri": bad}
-        )
+        status, answer = register(url, "t1", "y", bad)
         assert status == expected, (bad, answer)
-    status, both = call(
-        url,
-        "t1",
-        "POST",
-        "/v1/adapters",
-        {"model": MODEL, "name": "y", "uri": "s3://adapters/t1/sa-copy", "path": "x"},
-    )
+    status, both = register(url, "t1", "y", "s3://adapters/t1/sa-copy", path="x")
     assert status == 400, both
 
 
@@ -163,24 +146,9 @@ def test_no_credential_appears_in_answers_logs_metrics_or_the_residency_view(uri
     import ray
 
     url, _, secrets = uri_app
-    status, denied = call(
-        url,
-        "t3",
-        "POST",
-        "/v1/adapters",
-        {"model": MODEL, "name": "z", "uri": "s3://adapters/t3/a"},
-    )
+    status, denied = register(url, "t3", "z", "s3://adapters/t3/a")
     assert status == 403 and denied["error"]["code"] == "source_denied", denied
-    assert (
-        call(
-            url,
-            "t1",
-            "POST",
-            "/v1/adapters",
-            {"model": MODEL, "name": "seen", "uri": "s3://adapters/t1/sa-copy"},
-        )[0]
-        == 201
-    )
+    assert register(url, "t1", "seen", "s3://adapters/t1/sa-copy")[0] == 201
     texts = {"the refusal": str(denied)}
     status, residency = call(url, OPERATOR, "GET", f"/v1/admin/residency?model={MODEL}")
     assert status == 200

@@ -172,6 +172,12 @@ class AdapterCatalog:
         record = self._data["tenants"].get(tenant, {}).get(f"{base}:{name}")
         return None if record is None else self._entry(tenant, f"{base}:{name}", record)
 
+    def find(self, owner: str, base: str, name: str) -> AdapterEntry | None:
+        """The current entry of `owner`'s adapter (SHARED: the operator's)."""
+        if owner == SHARED:
+            return self.find_shared(base, name)
+        return self.find_tenant(owner, base, name)
+
     def find_shared(self, base: str, name: str) -> AdapterEntry | None:
         return self.shared.get(base, {}).get(name)
 
@@ -179,9 +185,7 @@ class AdapterCatalog:
         """The current entry a multiplexed model id names (None if deleted or stale)."""
         owner, _, rest = model_id.partition("/")
         name, _, _ = rest.rpartition("@")
-        entry = (
-            self.find_shared(base, name) if owner == SHARED else self.find_tenant(owner, base, name)
-        )
+        entry = self.find(owner, base, name)
         if entry is None and owner != SHARED and self._mtime is None:
             logger.warning(
                 "tenant adapter %s asked for, but this node (%s) sees no catalog %s: is the "

@@ -49,7 +49,7 @@ from loraplex.adapters.fetch import store_files
 from loraplex.deployments.adapter_fetching import AdapterFetching
 from loraplex.deployments.adapter_validation import AdapterValidator
 from loraplex.deployments.admission import FleetAdmission
-from loraplex.deployments.catalog import SHARED, AdapterCatalog, AdapterEntry, CatalogError
+from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import (
     ModelDeploymentConfig,
     PlatformConfig,
@@ -1004,11 +1004,7 @@ class OpenAIIngress:
         if entry is None:
             return None
         try:
-            current = (
-                self.catalog.find_shared(entry.base, entry.name)
-                if entry.owner == SHARED
-                else self.catalog.find_tenant(entry.owner, entry.base, entry.name)
-            )
+            current = self.catalog.find(entry.owner, entry.base, entry.name)
         except CatalogError:
             return None
         if current is None or current.model_id == entry.model_id:

@@ -110,6 +110,21 @@ def wait_for(predicate, timeout_s: float, what: str, step=lambda: time.sleep(0.5
     return time.monotonic() - started
 
 
+def replica_state_log(serve, app: str, deployment: str):
+    """A `wait_for` step's companion: records each change of the deployment's replica
+    states with its time, so a timed-out wait says what the controller did meanwhile."""
+    changes: list[tuple[float, dict[str, int]]] = []
+    started = time.monotonic()
+
+    def states() -> dict[str, int]:
+        now = replica_states(serve, app, deployment)
+        if not changes or changes[-1][1] != now:
+            changes.append((round(time.monotonic() - started, 1), now))
+        return now
+
+    return states, changes
+
+
 # The controller's decision is the policy under test and comes within seconds; the new
 # replica's start (a Ray worker, torch, the model) took 40-80 s on a loaded 2-core CI VM.
 DECISION_S = 90
@@ -120,17 +135,22 @@ def wait_for_second_replica(serve, app: str, deployment: str, step) -> None:
     """Waits for the controller to add a replica, then for it to run, calling `step()`
     (which keeps the load up) between checks; logs both times."""
 
-    def started() -> bool:
-        states = replica_states(serve, app, deployment)
-        return states.get("STARTING", 0) + states.get("RUNNING", 0) >= 2
+    states, changes = replica_state_log(serve, app, deployment)
 
-    decided_s = wait_for(started, DECISION_S, f"{app}: a second replica decided", step)
-    running_s = wait_for(
-        lambda: replica_states(serve, app, deployment).get("RUNNING", 0) >= 2,
-        REPLICA_START_S,
-        f"{app}: the second replica running",
-        step,
-    )
+    def started() -> bool:
+        now = states()
+        return now.get("STARTING", 0) + now.get("RUNNING", 0) >= 2
+
+    try:
+        decided_s = wait_for(started, DECISION_S, f"{app}: a second replica decided", step)
+        running_s = wait_for(
+            lambda: states().get("RUNNING", 0) >= 2,
+            REPLICA_START_S,
+            f"{app}: the second replica running",
+            step,
+        )
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}; replica states by second: {changes}") from None
     logging.getLogger(__name__).warning(
         "%s: second replica decided after %.1f s, running %.1f s later", app, decided_s, running_s
     )
@@ -313,7 +333,11 @@ def spread_app(serve_setup, tmp_path_factory):
                 "adapters": {name: str(folder) for name, folder in serve_setup.shared.items()},
                 "server": {
                     "num_cpus": 0.1,
-                    "adapter_demand_window_s": 4,
+                    # Longer than a few one-at-a-time calls take on a loaded CI VM (each
+                    # swaps its adapter in): with 4 s, slow calls left one adapter in the
+                    # window, the policy asked for one replica again and Serve stopped the
+                    # second while it started (CI, stop 44).
+                    "adapter_demand_window_s": 20,
                     "autoscaling_config": {
                         "min_replicas": 1,
                         "max_replicas": 2,

@@ -237,8 +237,10 @@ class AsyncEngine:
         cache_salt: str | None = None,
         tenant: str = "",
         tenant_weight: float = 1.0,
+        embed: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs until the request finishes. ValueError on bad input
+        """Yields cumulative outputs until the request finishes (`embed`: one output, the
+        finished request with its `embedding`; see make_request_group). ValueError on bad input
         (an unknown or invalid adapter included); RequestFailedError when the engine
         ends the request early; EngineRestartedError / EngineDeadError when the engine
         restarts or dies under it. `adapter`: a registered name, an adapter folder or a
@@ -260,6 +262,7 @@ class AsyncEngine:
             grammar=grammar,
             tenant=tenant,
             tenant_weight=tenant_weight,
+            embed=embed,
         )
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:

@@ -38,9 +38,10 @@ from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.model_runner import AdapterActivationError, ModelRunner
 from loraplex.platform.output_processor import OutputProcessor
 from loraplex.platform.parallel.layout import TPLayout
+from loraplex.platform.pooling import PoolingSpec, read_pooling
 from loraplex.platform.rank_builder import RankSpec, build_rank
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
-from loraplex.platform.request_limits import EngineLimits, fit_request
+from loraplex.platform.request_limits import EngineLimits, fit_embedding, fit_request
 from loraplex.platform.scheduler import Scheduler
 from loraplex.platform.scheduler_output import SchedulerOutput
 from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
@@ -85,6 +86,8 @@ class LLMEngine:
         folder = resolve_model_folder(config.model.model)
         self.tokenizer = load_tokenizer(folder)
         self.eos_token_ids = eos_token_ids(folder, self.tokenizer)
+        self.pooling: PoolingSpec = read_pooling(folder)
+        """How this model's embeddings pool its hidden states (platform/pooling.py)."""
         self._set_up_compute(config)
         self._set_limits(config, ModelArch.from_folder(folder))
         self.runner = self._build_ranks(folder)
@@ -373,8 +376,11 @@ class LLMEngine:
         grammar: object | None = None,
         tenant: str = "",
         tenant_weight: float = 1.0,
+        embed: bool = False,
     ) -> list[Request]:
         """Validates a prompt and builds its n Requests. Raises ValueError on bad input.
+        `embed`: one request that pools its prompt into an embedding (`self.pooling`)
+        and generates nothing; `params` then only bounds its length (n must be 1).
         `lora` is an adapter already loaded (see `load_adapter`); `cache_salt` keeps the
         request's prefix-cache entries apart from other salts' (one per tenant);
         `tenant` and `tenant_weight` are what the `fair` policy shares the engine by;
@@ -383,7 +389,10 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: it must contain at least one token")
-        fit_request(len(token_ids), params, self.limits)
+        if embed:
+            fit_embedding(len(token_ids), self.limits)
+        else:
+            fit_request(len(token_ids), params, self.limits)
         vocab = self.arch.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
@@ -393,6 +402,8 @@ class LLMEngine:
             raise ValueError(f"tenant_weight must be > 0, got {tenant_weight}")
         salt = cache_salt.encode() if cache_salt is not None else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if embed and (params.n != 1 or params.guided is not None):
+            raise ValueError("an embedding request takes n = 1 and no structured output")
         if params.guided is not None and grammar is None:
             grammar = self.compile_grammar(params.guided, tenant)
         n = params.n
@@ -413,6 +424,7 @@ class LLMEngine:
                 grammar=self.grammars.state(grammar, params.guided)
                 if grammar is not None
                 else None,
+                pooling=self.pooling if embed else None,
             )
             for index in range(n)
         ]
@@ -500,7 +512,7 @@ class LLMEngine:
             logger.error("%s; failing its requests", exc)
             return self._fail_adapter(output, exc)
         updated = self.scheduler.update(
-            output, result.sampled, result.failed, result.prompt_logprobs
+            output, result.sampled, result.failed, result.prompt_logprobs, result.pooled
         )
         for request in updated:
             if request.failure is not None:

@@ -1,4 +1,5 @@
-"""Offline API: `LLM(model=..., **engine options).generate(prompts, sampling_params)`."""
+"""Offline API: `LLM(model=..., **engine options).generate(prompts, sampling_params)`, and
+`.embed(prompts)` for embeddings."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import RequestOutput, SamplingParams
+from loraplex.platform.request_limits import EMBEDDING_PARAMS
 from loraplex.platform.tokenizer import apply_chat_template
 
 Prompt = str | Sequence[int]
@@ -44,11 +46,7 @@ class LLM:
         in prompt order. `adapters` gives each prompt's LoRA adapter: a registered name,
         an adapter folder, or None for the base model. Adapters load in parallel first,
         so an invalid one raises before anything runs."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         params = self._expand_params(sampling_params, len(prompts))
         loras = self._load_adapters(adapters, len(prompts))
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
@@ -59,6 +57,42 @@ class LLM:
         for group in groups:
             self.engine.add_group(group)
         return self._run(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        adapters: Sequence[str | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[list[float]]:
+        """The embedding of every prompt, pooled as the model folder says
+        (platform/pooling.py), in prompt order; `adapters` as in `generate`. Embedding
+        requests batch with each other like generation requests. ValueError when one
+        failed (its message)."""
+        prompts = self._prompt_list(prompts)
+        loras = self._load_adapters(adapters, len(prompts))
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        groups = [
+            self.engine.make_request_group(
+                request_id, prompt, EMBEDDING_PARAMS, lora=lora, embed=True
+            )
+            for request_id, prompt, lora in zip(request_ids, prompts, loras, strict=True)
+        ]
+        for group in groups:
+            self.engine.add_group(group)
+        outputs = self._run(request_ids, use_tqdm)
+        failed = next((output.error for output in outputs if output.error is not None), None)
+        if failed is not None:
+            raise ValueError(failed.message)
+        return [output.embedding for output in outputs]
+
+    @staticmethod
+    def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        """One prompt (a string or token ids) as a list of one; a list of them as is."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            return [prompts]
+        return list(prompts)
 
     def register_adapter(self, name: str, folder: str) -> None:
         """Names an adapter folder; later `generate(..., adapters=[name])` may use it."""

@@ -12,6 +12,10 @@ A request asking for prompt logprobs also has the positions of its chunk that sc
 prompt tokens listed (platform/prompt_logprobs.py); their logits are computed slice by
 slice after the sampling rows' and reduced to logprobs at once.
 
+An embedding request's chunk lists the positions it pools (platform/pooling.py); their
+final hidden states are summed per request in float32 and handed back with the step's
+result, and it samples nothing.
+
 A speculating decode (platform/spec_decode.py) is a chunk of its newest token and its
 drafts, placed with the prefill chunks, and samples at every one of its positions;
 the drafts are verified against those tokens and the request gets the accepted drafts
@@ -59,6 +63,7 @@ from loraplex.platform.decode_graphs import DecodeGraphs, DecodeStep
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.guided import GuidedState
 from loraplex.platform.kv_cache import copy_blocks
+from loraplex.platform.pooling import rows_to_pool
 from loraplex.platform.prompt_logprobs import (
     PromptRows,
     PromptScores,
@@ -91,6 +96,19 @@ class StepResult:
     """request id -> why it got no token (only that request ends)"""
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     """request id -> the prompt tokens' Logprobs its chunk scored, in order"""
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    """request id -> the sum of the hidden states its chunk pooled ([hidden] float32)"""
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """The step's tokens whose final hidden states embedding requests pool."""
+
+    rows: torch.Tensor
+    """[P] int64 index into the step's tokens."""
+    owners: torch.Tensor
+    """[P] int64: which of the step's `count` pooling requests each row adds to."""
+    count: int
 
 
 @dataclass(frozen=True)
@@ -114,15 +132,19 @@ class StepInputs:
     the other ranks write them into their shards' slots before running it."""
     prompt_rows: PromptRows | None = None
     """The step's tokens whose logits score prompt tokens (None: no request asked)."""
+    pool_rows: PoolRows | None = None
+    """The step's tokens that embedding requests pool (None: no such request)."""
 
 
 @dataclass(frozen=True)
 class StepLogits:
     """What one rank's forward gives back: the sampling rows' float32 logits [R, vocab]
-    (None when no row samples) and the prompt rows' scores (None when none)."""
+    (None when no row samples), the prompt rows' scores (None when none) and the pooled
+    sums [count, hidden] float32 of the embedding requests (None when none)."""
 
     sample: torch.Tensor | None = None
     prompt: PromptScores | None = None
+    pooled: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +160,8 @@ class PreparedStep:
     prompt_owners: list[tuple[Request, range]] = field(default_factory=list)
     """Whose prompt rows `inputs.prompt_rows` holds, in row order, and the positions
     each scores."""
+    pool_owners: list[Request] = field(default_factory=list)
+    """The embedding requests `inputs.pool_rows` pools for, by owner index."""
 
 
 class StepFollowers(Protocol):
@@ -196,6 +220,9 @@ class ModelRunner:
             result = self.sample(logits.sample, step.sample_requests, step.drafts)
         if logits.prompt is not None:
             _book_prompt_scores(result, logits.prompt, step.prompt_owners)
+        if logits.pooled is not None:
+            for request, pooled in zip(step.pool_owners, logits.pooled, strict=True):
+                result.pooled[request.request_id] = pooled
         return result
 
     def _graphable(self, output: SchedulerOutput) -> bool:
@@ -208,6 +235,8 @@ class ModelRunner:
             if item.num_query_tokens != 1 or item.draft_token_ids:
                 return False
             request = item.request
+            if request.pooling is not None:
+                return False
             if positions_to_score(request, request.num_computed_tokens, item.num_tokens):
                 return False
             if len(item.block_ids) > self.graphs.max_blocks:
@@ -285,7 +314,12 @@ class ModelRunner:
         prompt = None
         if inputs.prompt_rows is not None:
             prompt = score_rows(self.model.compute_logits, hidden, inputs.prompt_rows)
-        return StepLogits(sample, prompt)
+        pooled = None
+        if inputs.pool_rows is not None:
+            pool = inputs.pool_rows
+            pooled = hidden.new_zeros(pool.count, hidden.shape[-1], dtype=torch.float32)
+            pooled.index_add_(0, pool.owners, hidden[pool.rows].float())
+        return StepLogits(sample, prompt, pooled)
 
     def decode_logits(
         self,
@@ -431,10 +465,22 @@ class ModelRunner:
         prompt_owners: list[tuple[Request, range]] = []
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
+        pool_owners: list[Request] = []
+        pool_rows: list[int] = []
+        pool_owner_of_row: list[int] = []
         for item in decodes + prefills:
             request = item.request
             start = request.num_computed_tokens
             stop = start + item.num_query_tokens
+            if request.pooling is not None:
+                pooled = rows_to_pool(
+                    request.pooling, start, start + item.num_tokens, request.num_prompt_tokens
+                )
+                if pooled:
+                    offset = len(token_ids) - start
+                    pool_rows.extend(offset + p for p in pooled)
+                    pool_owner_of_row.extend([len(pool_owners)] * len(pooled))
+                    pool_owners.append(request)
             scored = positions_to_score(request, start, item.num_tokens)
             if scored:
                 offset = len(token_ids) - start
@@ -487,8 +533,15 @@ class ModelRunner:
             block_copies=tuple(output.block_copies),
             slot_writes=tuple(slot_writes),
             prompt_rows=_prompt_rows(prompt_owners, prompt_rows, prompt_targets, device),
+            pool_rows=PoolRows(
+                rows=torch.tensor(pool_rows, dtype=torch.int64, device=device),
+                owners=torch.tensor(pool_owner_of_row, dtype=torch.int64, device=device),
+                count=len(pool_owners),
+            )
+            if pool_owners
+            else None,
         )
-        return PreparedStep(inputs, sample_requests, drafts, prompt_owners)
+        return PreparedStep(inputs, sample_requests, drafts, prompt_owners, pool_owners)
 
 
 def _prompt_rows(

@@ -67,6 +67,8 @@ class OutputProcessor:
         for request in updated:
             if request.failure is not None or request.group_id in failed:
                 continue
+            if request.pooling is not None:
+                continue  # an embedding: no tokens
             detokenizer = self._groups[request.group_id].detokenizers[request.index]
             try:
                 detokenizer.append(request.output_token_ids[-1:])
@@ -118,4 +120,5 @@ class OutputProcessor:
             prompt_logprobs=[None, *head.prompt_logprobs]
             if head.sampling_params.prompt_logprobs is not None
             else None,
+            embedding=head.embedding,
         )

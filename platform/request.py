@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loraplex.platform.guided import GuidedSpec, GuidedState
+from loraplex.platform.pooling import PoolingSpec
 
 if TYPE_CHECKING:
     import torch
@@ -222,6 +223,14 @@ class Request:
     """With `prompt_logprobs`: entry i is prompt token i + 1's, booked as the chunks
     holding the positions before them are computed (each position once, whatever
     preemptions recompute)."""
+    pooling: PoolingSpec | None = None
+    """Set for an embedding request: its prompt is computed and pooled, nothing is
+    generated (platform/pooling.py); the request ends once its prompt is computed."""
+    pooled: torch.Tensor | None = None
+    """The sum of the hidden states pooled so far ([hidden] float32); a preemption
+    clears it (the prompt is computed again)."""
+    embedding: list[float] | None = None
+    """The embedding, once the whole prompt is pooled."""
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -253,6 +262,14 @@ class Request:
             and self.index == 0
             and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
         )
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed by the model (no prefix-cache
+        hit): prompt logprobs still to score, or an embedding that pools them all."""
+        if self.pooling is not None:
+            return self.pooling.needs_every_position and self.embedding is None
+        return self.needs_prompt_logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -315,6 +332,8 @@ class RequestOutput:
     prompt_logprobs: list[Logprob | None] | None = None
     """With `prompt_logprobs`: one entry per prompt token, None for the first (nothing
     precedes it); complete from the first output that carries a generated token."""
+    embedding: list[float] | None = None
+    """An embedding request's embedding (its only output, finished)."""
 
     @property
     def token_ids(self) -> list[int]:

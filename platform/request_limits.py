@@ -2,6 +2,7 @@
 its worst case against the KV cache and the tenant's token budget, and that worst case.
 
     fit_request(num_prompt_tokens, params, limits, fit, token_budget) -> FittedRequest
+    fit_embedding(num_prompt_tokens, limits, token_budget) -> FittedRequest
 
 - The prompt must leave room for one generated token (`max_model_len`).
 - `max_tokens` past the room the context leaves: `fit="requested"` (the caller chose
@@ -12,6 +13,9 @@ its worst case against the KV cache and the tenant's token budget, and that wors
   shared by its n completions, then each completion's blocks up to its full length.
 - The worst case, prompt + n x max_tokens, must not exceed the tenant's token budget
   (a request that could never pass it).
+
+An embedding request (`fit_embedding`) generates nothing: its input may fill the whole
+context, its blocks must fit the cache, and its worst case is its input.
 
 Each refusal is a ValueError whose message says what to lower. The ingress keeps only
 its own estimate (it cannot count a text prompt's tokens); a model server fits each
@@ -94,3 +98,31 @@ def _check_kv_cache_holds(
             f"to {full_length} tokens, block size {size}), more than the "
             f"{limits.num_blocks} the cache holds; lower n or max_tokens"
         )
+
+
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
+"""An embedding request's params: it samples nothing, they only satisfy the request."""
+
+
+def fit_embedding(
+    num_prompt_tokens: int, limits: EngineLimits, token_budget: int | None = None
+) -> FittedRequest:
+    """An embedding request's params and worst case (its input), or ValueError."""
+    limit = limits.max_model_len
+    if num_prompt_tokens > limit:
+        raise ValueError(
+            f"input has {num_prompt_tokens} tokens, but max_model_len is {limit}; "
+            "send a shorter input"
+        )
+    needed = -(-num_prompt_tokens // limits.block_size)
+    if needed > limits.num_blocks:
+        raise ValueError(
+            f"this input needs {needed} KV cache blocks, more than the {limits.num_blocks} "
+            "the cache holds; send a shorter input"
+        )
+    if token_budget is not None and num_prompt_tokens > token_budget:
+        raise ValueError(
+            f"this input has {num_prompt_tokens} tokens, more than your tokens_per_minute "
+            f"budget of {token_budget}; send a shorter input"
+        )
+    return FittedRequest(EMBEDDING_PARAMS, num_prompt_tokens)

@@ -1,4 +1,5 @@
-"""Iteration-level scheduling policy. Never touches tensors.
+"""Iteration-level scheduling policy. Never touches tensors (beyond adding up the rows an
+embedding request pooled).
 
 Each step the scheduler decides "request -> number of tokens to compute now":
 running requests first (decodes, then unfinished prefill chunks, each in admission
@@ -9,6 +10,10 @@ preempted: its blocks are freed and it later recomputes prompt + generated token
 
 A request asking for prompt logprobs takes no prefix-cache hit until every prompt
 token was scored (cached K/V gives no logits to score them with).
+
+An embedding request (`Request.pooling`) never samples: the step that computes its last
+prompt position books its embedding and ends it (platform/pooling.py); one that pools
+more than the last position takes no prefix-cache hit, like prompt logprobs.
 
 n > 1 sampling: child 0 of a group computes the prompt; its siblings wait outside the
 queues and fork child 0's blocks the step its first token is sampled.
@@ -45,14 +50,19 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from loraplex.platform.config import SchedulerConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.pooling import embedding_from
 from loraplex.platform.request import Logprob, Request, RequestFailure, RequestStatus
 from loraplex.platform.scheduler_output import ScheduledRequest, SchedulerOutput
 from loraplex.platform.scheduling_policy import policy_for
 from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
 from loraplex.platform.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Scheduler:
@@ -217,7 +227,7 @@ class Scheduler:
                     gate = request  # for this step: the adapter requests after it wait
                 continue
             cached = (
-                [] if request.needs_prompt_logprobs else self.kv_cache.find_cached_prefix(request)
+                [] if request.computes_whole_prompt else self.kv_cache.find_cached_prefix(request)
             )
             num_new = request.num_tokens - len(cached) * self.kv_cache.block_size
             if chunked:
@@ -258,6 +268,7 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.pooled = None  # its prompt is pooled again as it is recomputed
         self.kv_cache.free(request)
         self.kv_cache.forget_hashes(request)
         request.status = RequestStatus.PREEMPTED
@@ -273,6 +284,7 @@ class Scheduler:
         sampled: Mapping[str, Sequence[tuple[int, object]]],
         failed: dict[str, RequestFailure] | None = None,
         prompt_logprobs: Mapping[str, Sequence[Logprob]] | None = None,
+        pooled: Mapping[str, torch.Tensor] | None = None,
     ) -> list[Request]:
         """Books the step's scored prompt positions (`prompt_logprobs` per request id),
         advances computed counts, forks siblings, appends each request's first new
@@ -286,13 +298,23 @@ class Scheduler:
         books the verification: the accepted drafts' K/V counts as computed, the blocks
         past the request's tokens go back to the pool (rollback), and the spec-decode
         counters advance. The engine appends the tokens after the first one by one,
-        stopping at the first that ends the request."""
+        stopping at the first that ends the request.
+
+        `pooled[request id]` is the sum of the hidden states an embedding request's
+        chunk pooled; the step that completes its prompt ends it with its embedding (or
+        fails it when the embedding is not finite), and it is among those returned."""
         for request_id, logprobs in (prompt_logprobs or {}).items():
             self.requests[request_id].prompt_logprobs.extend(logprobs)
+        for request_id, rows in (pooled or {}).items():
+            request = self.requests[request_id]
+            request.pooled = rows if request.pooled is None else request.pooled + rows
+        embedded = []
         for item in output.scheduled:
             item.request.num_computed_tokens += item.num_tokens
             if item.draft_token_ids:
                 self._book_verification(item, sampled.get(item.request.request_id))
+            if item.request.pooling is not None and request_done_pooling(item.request):
+                embedded.append(item.request)
         for parent_id, siblings in output.forks.items():
             parent = self.requests[parent_id]
             del self.fork_waiting[parent_id]
@@ -313,7 +335,22 @@ class Scheduler:
             request.append_output_token(*tokens[0])
             self.policy.charge(request, len(tokens))
             updated.append(request)
+        for request in embedded:
+            if request.request_id in self.requests:
+                updated.extend(self._end_embedding(request))
         return updated
+
+    def _end_embedding(self, request: Request) -> list[Request]:
+        """Ends an embedding request whose prompt is computed, with its embedding."""
+        try:
+            request.embedding = embedding_from(
+                request.pooling, request.pooled, request.num_prompt_tokens
+            )
+        except ValueError as exc:
+            return self.fail_group(request.group_id, _embedding_failure(request, exc))
+        request.pooled = None
+        self.finish(request, RequestStatus.FINISHED_STOPPED)
+        return [request]
 
     def _book_verification(
         self, item: ScheduledRequest, tokens: Sequence[tuple[int, object]] | None
@@ -371,3 +408,17 @@ class Scheduler:
             if request.request_id in self.requests:
                 self.finish(request, RequestStatus.FINISHED_ABORTED)
         return members
+
+
+def request_done_pooling(request: Request) -> bool:
+    """Whether an embedding request's whole prompt is computed (and pooled)."""
+    return request.num_computed_tokens >= request.num_prompt_tokens
+
+
+def _embedding_failure(request: Request, exc: ValueError) -> RequestFailure:
+    if request.lora is not None:
+        return RequestFailure(
+            f"adapter {request.lora.name!r}: {exc}; its weights cannot be served",
+            client_fault=True,
+        )
+    return RequestFailure(f"the model's embedding failed: {exc}")

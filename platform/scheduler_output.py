@@ -25,9 +25,10 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens (a new token follows)."""
+        """True when this chunk reaches the end of the known tokens (a new token follows);
+        never for an embedding request, which generates nothing."""
         req = self.request
-        return req.num_computed_tokens + self.num_tokens == req.num_tokens
+        return req.pooling is None and req.num_computed_tokens + self.num_tokens == req.num_tokens
 
 
 @dataclass

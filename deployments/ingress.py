@@ -8,6 +8,10 @@ unknown fields all get a 400 with a message, never a 500. A client that disconne
 cancels its call, which aborts the engine request and frees its KV blocks. A request
 that fails after its stream started ends with an OpenAI error event.
 
+/v1/embeddings runs one call per input through the same limits, admission and routing
+as a completion: each call pools its prompt on the replica and its one step carries the
+embedding (platform/pooling.py).
+
 Token budgets charge up front: a request reserves its worst case (prompt estimate +
 n x max_tokens) at admission, the exact worst case once the model server counted the
 prompt (first step), and books what it used when it ends. Each tenant's prompts get
@@ -73,6 +77,7 @@ from loraplex.deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     RegisterAdapterRequest,
@@ -81,7 +86,13 @@ from loraplex.deployments.protocol import (
     new_id,
 )
 from loraplex.deployments.readiness import ModelReadiness
-from loraplex.deployments.responses import ChoiceAccumulator, batch_body, sse, usage_chunk
+from loraplex.deployments.responses import (
+    ChoiceAccumulator,
+    batch_body,
+    embedding_list,
+    sse,
+    usage_chunk,
+)
 from loraplex.deployments.routing import Route, resolve_model, visible_adapters
 from loraplex.deployments.tenants import (
     AuthError,
@@ -94,6 +105,7 @@ from loraplex.deployments.tenants import (
 from loraplex.deployments.tool_calls import ToolCalling
 from loraplex.deployments.trainer import PUSHED_SOURCE, AdapterPushRefused, adapter_files
 from loraplex.deployments.wire import ADAPTER_REPLACED, GenerateCall, GenerateError, StreamStep
+from loraplex.platform.request_limits import EMBEDDING_PARAMS
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +129,7 @@ app.add_middleware(InFlightGate)
 REQUEST_BODIES = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/v1/embeddings", "post"): EmbeddingRequest,
     ("/v1/tokenize", "post"): TokenizeRequest,
     ("/tokenize", "post"): TokenizeRequest,
     ("/v1/detokenize", "post"): DetokenizeRequest,
@@ -446,6 +459,20 @@ class ClosingStreamingResponse(StreamingResponse):
             self._end.run(cancel=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class StartedCalls:
+    """A request's calls once started (`OpenAIIngress._start_calls`)."""
+
+    route: Route
+    calls: list[GenerateCall]
+    """The calls as sent: with the tenant, its adapter and its cache namespace."""
+    started: list[tuple[Any, StreamStep]]
+    """(the call's remaining steps, its first step), per call."""
+    reserved: int
+    """Tokens held against the tenant's budget until the request ends."""
+    admission: FleetAdmission
+
+
 def fleet_admission(model: ModelDeploymentConfig) -> FleetAdmission:
     """The ingress's admission estimate over `model`'s replicas, with the limits their
     own admission uses."""
@@ -457,9 +484,10 @@ def fleet_admission(model: ModelDeploymentConfig) -> FleetAdmission:
 
 def _check_fits_tenant(tenant: Tenant, calls: list[GenerateCall], n: int) -> None:
     """400 for a request that could never pass the tenant's limits: more sequences
-    (prompts x n) than its concurrency limit, or more output tokens alone (prompts x n x
-    max_tokens) than its tokens-per-minute budget. A text prompt's own size is checked
-    once the model server counted it (`_check_worst_case_fits_budget`)."""
+    (prompts x n) than its concurrency limit, or more tokens than its tokens-per-minute
+    budget in its output tokens (prompts x n x max_tokens) and token-id prompts. A text
+    prompt's own size is checked once the model server counted it
+    (`_check_worst_case_fits_budget`)."""
     budget = tenant.tokens_per_minute
     outputs = sum(n * call.params.max_tokens for call in calls if call.max_tokens_given)
     if budget is not None and outputs > budget:
@@ -468,6 +496,13 @@ def _check_fits_tenant(tenant: Tenant, calls: list[GenerateCall], n: int) -> Non
             f"this request may generate up to {outputs} tokens ({len(calls)} prompt(s) x n "
             f"{n} x max_tokens), more than your tokens_per_minute budget of {budget}; lower "
             "n, max_tokens or the number of prompts",
+        )
+    known = outputs + sum(len(call.prompt) for call in calls if isinstance(call.prompt, list))
+    if budget is not None and known > budget:
+        raise OpenAIError(
+            400,
+            f"this request's token-id prompts and outputs come to {known} tokens, more than "
+            f"your tokens_per_minute budget of {budget}; send shorter or fewer prompts",
         )
     sequences = len(calls) * n
     limit = tenant.max_concurrent_requests
@@ -826,6 +861,51 @@ class OpenAIIngress:
         )
         return await self._respond(tenant, body, response_id, [call], chat=True, tools=tools)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> JSONResponse:
+        """One embedding per input, of the base model or of `base:adapter`, under the
+        same tenant limits, admission and routing as a completion with one token."""
+        received_at = time.time()
+        tenant = self._tenant(request)
+        body = await parse_body(request, EmbeddingRequest)
+        response_id = new_id("embd")
+        inputs = body.inputs
+        calls = [
+            GenerateCall(
+                request_id=response_id if len(inputs) == 1 else f"{response_id}-{index}",
+                params=EMBEDDING_PARAMS,
+                prompt=text,
+                received_at=received_at,
+                embed=True,
+            )
+            for index, text in enumerate(inputs)
+        ]
+        run = await self._start_calls(tenant, body.model, response_id, calls, 1)
+        logger.info(
+            "request %s tenant=%s model=%s embeddings=%d",
+            response_id,
+            tenant.name,
+            body.model,
+            len(calls),
+        )
+        steps = [first for _, first in run.started]
+        prompt_tokens = sum(step.prompt_tokens for step in steps)
+        try:
+            for remaining, _ in run.started:
+                async for extra in _within_inter_token_timeout(
+                    remaining, self.inter_token_timeout_s, body.model
+                ):
+                    if isinstance(extra, GenerateError):
+                        raise _generate_error(extra)
+        except RayError as exc:
+            raise replica_failed(run.route.base, response_id, exc) from None
+        finally:
+            run.admission.finish(response_id)
+            self.limits.release(tenant, prompt_tokens, run.reserved, len(calls))
+            self._record_usage(tenant)
+            self.metrics.record(tenant.name, 200, prompt_tokens, 0)
+        return JSONResponse(embedding_list(body.model, steps, body.encoding_format).model_dump())
+
     @staticmethod
     def _params(body: SamplingFields, max_tokens: int | None, logprobs: int | None):
         try:
@@ -845,33 +925,9 @@ class OpenAIIngress:
         """Runs `calls` (one per prompt of the request) on the model `body.model` names;
         answers with their choices in one body or one stream, prompt i's completions at
         indices i*n .. i*n+n-1 (a chat's tool calls read back as `tools` asks)."""
-        route = resolve_model(tenant, body.model, self.bases, self.catalog)
-        calls = [
-            dataclasses.replace(
-                call,
-                tenant=tenant.name,
-                tenant_weight=tenant.weight,
-                adapter=route.adapter.public_id if route.adapter else None,
-                max_request_tokens=tenant.tokens_per_minute,
-                cache_salt=tenant.name if self.tenants.auth_enabled else None,
-            )
-            for call in calls
-        ]
         n = body.n
         sequences = len(calls) * n
-        _check_fits_tenant(tenant, calls, n)
-        estimate = sum(prompt_tokens_estimate(c) + n * c.params.max_tokens for c in calls)
-        try:
-            reserved = self.limits.admit(tenant, estimate, sequences)
-        except RateLimited as exc:
-            self.metrics.record(tenant.name, 429)
-            raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
-        try:
-            await self._admit(route.base, tenant, response_id, sequences)
-        except BaseException:
-            self.limits.release(tenant, 0, reserved, sequences)
-            raise
-        self._record_usage(tenant)
+        run = await self._start_calls(tenant, body.model, response_id, calls, n)
         accumulators = [
             ChoiceAccumulator(
                 response_id,
@@ -884,19 +940,7 @@ class OpenAIIngress:
             )
             for i in range(len(calls))
         ]
-        admission = self.admission[route.base]
-        try:
-            started = await self._start_all(route, calls)
-            worst = sum(first.worst_case_tokens for _, first in started)
-            _check_worst_case_fits_budget(tenant, worst, started)
-        except BaseException:
-            admission.finish(response_id)
-            self.limits.release(tenant, 0, reserved, sequences)
-            self._record_usage(tenant)
-            raise
-        admission.started(response_id)
-        reserved = self.limits.settle(tenant, reserved, worst)
-        self._record_usage(tenant)
+        reserved, admission, started = run.reserved, run.admission, run.started
         logger.info(
             "request %s tenant=%s model=%s stream=%s prompts=%d",
             response_id,
@@ -906,7 +950,7 @@ class OpenAIIngress:
             len(calls),
         )
         if self.log_prompts:
-            for call in calls:
+            for call in run.calls:
                 logger.info("request %s prompt: %r", call.request_id, call.messages or call.prompt)
         streams = [
             (accumulator, first, steps)
@@ -927,10 +971,58 @@ class OpenAIIngress:
         try:
             await _collect_all(streams, self.inter_token_timeout_s)
         except RayError as exc:
-            raise replica_failed(route.base, response_id, exc) from None
+            raise replica_failed(run.route.base, response_id, exc) from None
         finally:
             self._finish(tenant, accumulators, reserved, sequences, admission)
         return JSONResponse(batch_body(accumulators))
+
+    async def _start_calls(
+        self, tenant: Tenant, model: str, response_id: str, calls: list[GenerateCall], n: int
+    ) -> StartedCalls:
+        """Everything before a request's calls stream: the route `model` names, the
+        calls carrying the tenant, the tenant's limits (400 for what can never pass, 429
+        over its rate), the fleet's admission (503), then every call started and the
+        tenant's reservation settled to the batch's worst case; undone on failure."""
+        route = resolve_model(tenant, model, self.bases, self.catalog)
+        calls = [
+            dataclasses.replace(
+                call,
+                tenant=tenant.name,
+                tenant_weight=tenant.weight,
+                adapter=route.adapter.public_id if route.adapter else None,
+                max_request_tokens=tenant.tokens_per_minute,
+                cache_salt=tenant.name if self.tenants.auth_enabled else None,
+            )
+            for call in calls
+        ]
+        sequences = len(calls) * n
+        _check_fits_tenant(tenant, calls, n)
+        estimate = sum(prompt_tokens_estimate(c) + n * c.params.max_tokens for c in calls)
+        try:
+            reserved = self.limits.admit(tenant, estimate, sequences)
+        except RateLimited as exc:
+            self.metrics.record(tenant.name, 429)
+            raise OpenAIError(429, str(exc), retry_after_s=exc.retry_after_s) from None
+        try:
+            await self._admit(route.base, tenant, response_id, sequences)
+        except BaseException:
+            self.limits.release(tenant, 0, reserved, sequences)
+            raise
+        self._record_usage(tenant)
+        admission = self.admission[route.base]
+        try:
+            started = await self._start_all(route, calls)
+            worst = sum(first.worst_case_tokens for _, first in started)
+            _check_worst_case_fits_budget(tenant, worst, started)
+        except BaseException:
+            admission.finish(response_id)
+            self.limits.release(tenant, 0, reserved, sequences)
+            self._record_usage(tenant)
+            raise
+        admission.started(response_id)
+        reserved = self.limits.settle(tenant, reserved, worst)
+        self._record_usage(tenant)
+        return StartedCalls(route, calls, started, reserved, admission)
 
     async def _admit(self, base: str, tenant: Tenant, response_id: str, sequences: int) -> None:
         """The ingress's own admission estimate over `base`'s running replicas

@@ -78,7 +78,7 @@ from loraplex.platform.async_engine import (
 )
 from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.request import RequestOutput
-from loraplex.platform.request_limits import fit_request
+from loraplex.platform.request_limits import fit_embedding, fit_request
 
 logger = logging.getLogger(__name__)
 STATS_PERIOD_S = 2.0
@@ -421,13 +421,16 @@ class ModelServer:
         try:
             lora = await self._adapter_for_call()
             prompt = self.engine.prompt_ids(call.prompt, call.messages, call.tools)
-            fitted = fit_request(
-                len(prompt),
-                call.params,
-                self.engine.limits,
-                "requested" if call.max_tokens_given else "default",
-                call.max_request_tokens,
-            )
+            if call.embed:
+                fitted = fit_embedding(len(prompt), self.engine.limits, call.max_request_tokens)
+            else:
+                fitted = fit_request(
+                    len(prompt),
+                    call.params,
+                    self.engine.limits,
+                    "requested" if call.max_tokens_given else "default",
+                    call.max_request_tokens,
+                )
             tracker.worst_case_tokens = fitted.worst_case_tokens
             stream = self.engine.generate(
                 prompt,
@@ -437,22 +440,28 @@ class ModelServer:
                 cache_salt=call.cache_salt,
                 tenant=call.tenant,
                 tenant_weight=call.tenant_weight,
+                embed=call.embed,
             )
-            echo_text = self._prompt_text(call.prompt, prompt) if call.echo else None
-            tool_format = self.engine.tool_call_format if call.tools else None
-            first = True
-            async for output in stream:
-                step = tracker.step(output)
-                if first:
-                    step = dataclasses.replace(
-                        step, echo_text=echo_text, tool_call_format=tool_format
-                    )
-                    first = False
+            if call.embed:
+                step = await _embedding_step(stream)
                 prompt_tokens = step.prompt_tokens
-                if first_token_s is None and any(d.num_new_tokens for d in step.deltas):
-                    first_token_s = time.perf_counter() - started
-                    self.admission.started(call.request_id)
                 yield step
+            else:
+                echo_text = self._prompt_text(call.prompt, prompt) if call.echo else None
+                tool_format = self.engine.tool_call_format if call.tools else None
+                first = True
+                async for output in stream:
+                    step = tracker.step(output)
+                    if first:
+                        step = dataclasses.replace(
+                            step, echo_text=echo_text, tool_call_format=tool_format
+                        )
+                        first = False
+                    prompt_tokens = step.prompt_tokens
+                    if first_token_s is None and any(d.num_new_tokens for d in step.deltas):
+                        first_token_s = time.perf_counter() - started
+                        self.admission.started(call.request_id)
+                    yield step
         except AdapterReplacedError as exc:
             logger.info("request %s: %s", call.request_id, exc)
             yield GenerateError(404, str(exc), code=ADAPTER_REPLACED)
@@ -539,6 +548,23 @@ class ModelServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+async def _embedding_step(stream: AsyncIterator[RequestOutput]) -> StreamStep:
+    """An embed call's one step: its prompt's embedding, once the engine finished it."""
+    last = None
+    async for output in stream:
+        last = output
+    if last is None or last.embedding is None:
+        raise RuntimeError("the embedding request ended without its embedding")
+    prompt_tokens = len(last.prompt_token_ids)
+    return StreamStep(
+        prompt_tokens,
+        [],
+        worst_case_tokens=prompt_tokens,
+        cached_tokens=last.num_cached_tokens,
+        embedding=last.embedding,
+    )
 
 
 class DeltaTracker:

@@ -289,6 +289,42 @@ class CompletionRequest(SamplingFields):
         return self.logprobs if self.echo_logprobs else None
 
 
+class EmbeddingRequest(StrictModel):
+    """/v1/embeddings: one embedding per input, pooled as the model folder says
+    (platform/pooling.py), of the base model or of `base:adapter`."""
+
+    model: str = Field(min_length=1, max_length=256)
+    input: (
+        Annotated[str, Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(description="a string, token ids, or a batch of either")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: the little-endian float32 bytes of each embedding"
+    )
+    dimensions: None = Field(
+        default=None,
+        description="not supported (the models served are not trained to be truncated): "
+        "must be absent or null",
+    )
+    user: str | None = Field(default=None, max_length=256)
+
+    @property
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The batch: one input per entry."""
+        given = self.input
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            return [given]
+        return list(given)
+
+    @model_validator(mode="after")
+    def _batch_size(self) -> EmbeddingRequest:
+        if len(self.inputs) > MAX_PROMPTS:
+            raise ValueError(f"input: at most {MAX_PROMPTS} inputs in one request")
+        return self
+
+
 class TextPart(StrictModel):
     type: Literal["text"]
     text: str
@@ -516,6 +552,25 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+    """The vector, or with `encoding_format: base64` its little-endian float32 bytes."""
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):

@@ -1,8 +1,11 @@
-"""Builds OpenAI completion / chat.completion bodies and stream chunks from StreamSteps."""
+"""Builds OpenAI completion / chat.completion bodies and stream chunks from StreamSteps,
+and embedding lists."""
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import time
 from typing import Any
 
@@ -13,6 +16,7 @@ from loraplex.deployments.logprobs import (
     prompt_logprobs,
     text_offsets,
 )
+from loraplex.deployments.protocol import Embedding, EmbeddingList, EmbeddingUsage
 from loraplex.deployments.tool_calls import ToolCallChunk, ToolCalling, ToolCallParser
 from loraplex.deployments.wire import StreamDelta, StreamStep
 
@@ -232,3 +236,22 @@ def batch_body(accumulators: list[ChoiceAccumulator]) -> dict[str, Any]:
 
 def _openai_finish(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
+
+
+def embedding_list(model: str, steps: list[StreamStep], encoding_format: str) -> EmbeddingList:
+    """The /v1/embeddings body: each input's embedding (its call's one step), as floats
+    or base64 of their little-endian float32 bytes (what the OpenAI SDK decodes)."""
+
+    def encoded(vector: list[float]) -> list[float] | str:
+        if encoding_format == "float":
+            return vector
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+    prompt_tokens = sum(step.prompt_tokens for step in steps)
+    return EmbeddingList(
+        data=[
+            Embedding(index=i, embedding=encoded(step.embedding)) for i, step in enumerate(steps)
+        ],
+        model=model,
+        usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+    )

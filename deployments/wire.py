@@ -43,6 +43,9 @@ class GenerateCall:
     tools: list[dict[str, Any]] | None = None
     """Function definitions the chat template gets (chat requests with `tools`); the
     first step then says how the model writes tool calls (`tool_call_format`)."""
+    embed: bool = False
+    """/v1/embeddings: the prompt is pooled into an embedding and nothing is generated;
+    the call's one step carries it (`StreamStep.embedding`)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class StreamStep:
     prompt_logprobs: list[TokenLogprob] | None = None
     """On the first step of a call whose params ask for prompt logprobs: every prompt
     token, the first unscored."""
+    embedding: list[float] | None = None
+    """The one step of an `embed` call: the prompt's embedding."""
 
 
 ADAPTER_REPLACED = "adapter_replaced"

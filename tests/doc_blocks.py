@@ -121,6 +121,12 @@ class BlockCoverage:
 BLOCKS: dict[tuple[str, str], BlockCoverage] = {
     ("README.md", "import openai"): BlockCoverage(APP, EXECUTED),
     ("README.md", "from loraplex.platform import LLM"): BlockCoverage(ENGINE, EXECUTED),
+    ("README.md", "import math"): BlockCoverage(
+        APP,
+        EXECUTED,
+        "after the README's first-requests block (its client)",
+        continues=("README.md", "import openai"),
+    ),
     ("docs/benchmarks.md", "from loraplex.platform import LLM"): BlockCoverage(
         ENGINE, EXECUTED, "builds the engine"
     ),

@@ -42,16 +42,6 @@ SHARED = {
 }
 
 
-def pytest_collection_modifyitems(config, items):
-    """The two-node test starts a Ray cluster of its own (two nodes, three apps): it
-    runs last, when the other xdist worker has usually finished the tests without Ray,
-    beside the session's idle app. Run first, under the other worker's full load, its
-    deploy took 581 s in a suite run against 94 s alone."""
-    last = [item for item in items if item.path.name == "test_multinode.py"]
-    if last:
-        items[:] = [item for item in items if item.path.name != "test_multinode.py"] + last
-
-
 def serve_config_controller_options() -> dict:
     """serve_config.yaml's `controller_options`: the test app's controller and proxy run
     with the same Serve settings and middleware as `serve run serve_config.yaml`."""

@@ -674,7 +674,33 @@ class OpenAIIngress:
         disarmed = await self._on_every_replica(model, "disarm_failpoints")
         return {"object": "failpoint", "model": model, "armed": False, "replicas": disarmed}
 
-    async def _on_every_replica(self, model: str, method: str, *args: object) -> list[str]:
+    # ---- operator API: sleep and wake --------------------------------------------------
+    @app.post("/v1/admin/models/{model}/sleep")
+    async def sleep_model(self, model: str, request: Request) -> dict:
+        """Every running replica of `model` lets its open requests finish, then releases
+        its KV cache and, on a GPU, moves its weights to host memory, until `wake`;
+        meanwhile its requests get 503 `model_asleep`. Operator key only. 409 when a
+        replica still had requests running after its drain."""
+        self._require_operator(request.headers.get("authorization"), "sleep")
+        return await self._sleep_or_wake(model, "sleep", asleep=True)
+
+    @app.post("/v1/admin/models/{model}/wake")
+    async def wake_model(self, model: str, request: Request) -> dict:
+        """Undoes `sleep` on every running replica of `model`. Operator key only."""
+        self._require_operator(request.headers.get("authorization"), "wake")
+        return await self._sleep_or_wake(model, "wake_up", asleep=False)
+
+    async def _sleep_or_wake(self, model: str, method: str, asleep: bool) -> dict:
+        if model not in self.servers:
+            raise OpenAIError(404, f"model {model!r} does not exist", code="model_not_found")
+        try:
+            replicas = await self._on_every_replica(model, method)
+        except ValueError as exc:
+            raise OpenAIError(409, f"model {model!r}: {exc}", code="sleep_refused") from None
+        logger.warning("operator: model %s %s: %s", model, method, replicas)
+        return {"object": "model_sleep", "model": model, "asleep": asleep, "replicas": replicas}
+
+    async def _on_every_replica(self, model: str, method: str, *args: object) -> list[Any]:
         """Calls `method` on each RUNNING replica of `model` (the router pins each call
         by its `replica` keyword, deployments/request_router.py); the ids it reached.
         403 when the model refuses fault injection; 503 when it has no running replica
@@ -695,6 +721,8 @@ class OpenAIIngress:
             )
         except PermissionError:
             raise OpenAIError(403, f"fault injection is off for model {model!r}") from None
+        except ValueError:
+            raise  # a replica's refusal, for the caller to answer
         except OPERATOR_CALL_FAILURES as exc:
             logger.warning("%s on %s failed: %r", method, model, exc)
             raise OpenAIError(
@@ -710,7 +738,7 @@ class OpenAIIngress:
                 "retry",
                 retry_after_s=1,
             )
-        return [str(r) for r in reached]
+        return list(reached)
 
     @app.get("/v1/admin/residency")
     async def residency(self, request: Request, model: str | None = None) -> dict:

@@ -70,6 +70,7 @@ from loraplex.deployments.wire import (
 )
 from loraplex.platform.async_engine import (
     AsyncEngine,
+    EngineAsleepError,
     EngineDeadError,
     EngineRestartedError,
     EngineStoppedError,
@@ -91,6 +92,12 @@ class AdapterReplacedError(LookupError):
 
 RETRY_ELSEWHERE_S = 2
 """Retry-After of a request that a dead, stalled or stopping replica ended."""
+ASLEEP = "model_asleep"
+"""GenerateError code: the replica sleeps (an operator lent its memory out)."""
+ASLEEP_RETRY_AFTER_S = 5
+SLEEP_DRAIN_S = 20.0
+"""How long a replica told to sleep waits for its open requests (the ingress waits
+ADMIN_CALL_S, 30 s, for every replica's answer)."""
 
 
 class AdapterRequests:
@@ -326,6 +333,31 @@ class ModelServer:
         logger.warning("failpoint %s armed on replica %s", name, self.replica_id)
         return self.replica_id
 
+    async def sleep(self, replica: str | None = None) -> dict | None:
+        """Operator: lets this replica's open requests finish (up to SLEEP_DRAIN_S;
+        ValueError when some are still open then), then releases its KV cache and, on
+        a GPU, moves its weights to host memory (platform/sleep_mode.py); requests get
+        503 `model_asleep` until `wake_up`. `replica` as in `arm_failpoint`; returns
+        what moved and how long it took."""
+        if replica is not None and replica != self.replica_id:
+            return None
+        if self.engine.asleep:
+            return {"replica": self.replica_id, "asleep_already": True}
+        report = await self.engine.sleep(SLEEP_DRAIN_S)
+        logger.warning("replica %s asleep: %s", self.replica_id, report.as_dict())
+        return {"replica": self.replica_id, **report.as_dict()}
+
+    async def wake_up(self, replica: str | None = None) -> dict | None:
+        """Operator: undoes `sleep`; as `sleep` returns. Both answer at once when the
+        replica is in that state already, so an operator's retry converges."""
+        if replica is not None and replica != self.replica_id:
+            return None
+        if not self.engine.asleep:
+            return {"replica": self.replica_id, "awake_already": True}
+        report = await self.engine.wake_up()
+        logger.warning("replica %s awake: %s", self.replica_id, report.as_dict())
+        return {"replica": self.replica_id, **report.as_dict()}
+
     def disarm_failpoints(self, replica: str | None = None) -> str | None:
         """Disarms every failpoint of this replica (`replica` as in `arm_failpoint`)."""
         if replica is not None and replica != self.replica_id:
@@ -477,6 +509,10 @@ class ModelServer:
         except EngineRestartedError as exc:
             logger.warning("request %s dropped by an engine restart", call.request_id)
             yield GenerateError(503, f"{exc}; retry", retry_after_s=1)
+            return
+        except EngineAsleepError as exc:
+            logger.info("request %s refused: %s", call.request_id, exc)
+            yield GenerateError(503, str(exc), retry_after_s=ASLEEP_RETRY_AFTER_S, code=ASLEEP)
             return
         except (EngineDeadError, EngineStoppedError) as exc:
             logger.warning("request %s ended: %s", call.request_id, exc)

@@ -25,6 +25,9 @@ Failures stay as small as they can:
   (a hung kernel, a deadlocked collective) fails every stream with `EngineStalledError`
   and makes `check_health()` raise, so Serve replaces the replica;
 - a shutdown fails the streams still open when its drain ends (`EngineStoppedError`);
+- `sleep` refuses new requests (`EngineAsleepError`), lets the open ones finish, then
+  has the loop thread release the engine's memory (platform/sleep_mode.py); `wake_up`
+  takes it back and lets requests in again;
 - only when a reset is impossible (tensor parallelism: a worker may be stuck in a
   collective) or fails does the loop die: every consumer gets an EngineDeadError,
   `check_health()` raises it, and Serve replaces the replica.
@@ -33,6 +36,7 @@ Failures stay as small as they can:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -49,6 +53,7 @@ from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import EngineSnapshot, LLMEngine
 from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
 from loraplex.platform.request_limits import EngineLimits
+from loraplex.platform.sleep_mode import SleepReport
 from loraplex.platform.thread_names import COMPUTE_THREAD_NAME, name_this_thread
 from loraplex.platform.tokenizer import apply_chat_template, encode_text, tool_call_format
 
@@ -61,6 +66,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineStalledError(EngineDeadError):
     """No step finished for longer than the step watchdog allows while work was queued."""
+
+
+class EngineAsleepError(RuntimeError):
+    """The engine sleeps (its memory lent to another job); it takes no request."""
 
 
 class EngineStoppedError(RuntimeError):
@@ -100,6 +109,15 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Runs `work` on the loop thread between steps; its result or error goes to
+    `done`."""
+
+    work: Callable[[], object]
+    done: concurrent.futures.Future
 
 
 class _Stream:
@@ -203,7 +221,9 @@ class AsyncEngine:
         self._messages_per_step = messages_per_step
         self._requests_started = 0
         self._outputs_per_step = 0
-        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
+        self._sleeping = False
+        """Set from `sleep` until `wake_up` returns: generate() refuses new requests."""
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -247,6 +267,8 @@ class AsyncEngine:
         loaded adapter; None runs the base model. `cache_salt`, `tenant` and
         `tenant_weight`: see make_request_group."""
         self.check_health()
+        if self._sleeping:
+            raise EngineAsleepError("the model is asleep (its memory is lent out); retry later")
         request_id = request_id or uuid.uuid4().hex
         lora = await self.load_adapter(adapter)
         grammar = None
@@ -358,6 +380,7 @@ class AsyncEngine:
         self._stopping.set()
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self._drop_commands(EngineStoppedError("the model replica is shutting down"))
         if self._streams:
             logger.warning("engine stopping with %d request(s) still open", len(self._streams))
         self._fail_streams(EngineStoppedError("the model replica is shutting down; retry"))
@@ -370,7 +393,45 @@ class AsyncEngine:
         while self._streams and time.monotonic() < deadline and self._error is None:
             await asyncio.sleep(0.05)
 
-    def _send(self, command: _Add | _Abort) -> None:
+    @property
+    def asleep(self) -> bool:
+        return self._sleeping
+
+    async def sleep(self, drain_timeout_s: float) -> SleepReport:
+        """Refuses new requests, waits up to `drain_timeout_s` for the open ones to
+        finish, then sleeps the engine on its loop thread (LLMEngine.sleep). Requests
+        still open at the deadline keep it awake: ValueError, and requests are taken
+        again."""
+        if self._sleeping:
+            raise ValueError("the model is asleep already")
+        self._sleeping = True
+        try:
+            await self.drain(drain_timeout_s)
+            if self._streams:
+                raise ValueError(
+                    f"{len(self._streams)} request(s) still running after "
+                    f"{drain_timeout_s:g} s; the model stays awake"
+                )
+            return await self._on_loop_thread(self.engine.sleep)
+        except BaseException:
+            self._sleeping = self.engine.asleep
+            raise
+
+    async def wake_up(self) -> SleepReport:
+        """Wakes the engine on its loop thread (LLMEngine.wake_up); requests are taken
+        again once it is awake. ValueError when awake."""
+        if not self.engine.asleep:
+            raise ValueError("the model is awake")
+        report = await self._on_loop_thread(self.engine.wake_up)
+        self._sleeping = False
+        return report
+
+    async def _on_loop_thread(self, work: Callable[[], SleepReport]) -> SleepReport:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Call(work, done))
+        return await asyncio.wrap_future(done)
+
+    def _send(self, command: _Add | _Abort | _Call) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -513,6 +574,7 @@ class AsyncEngine:
     def _die(self, exc: BaseException) -> None:
         self._error = exc
         logger.error("engine loop died", exc_info=exc)
+        self._drop_commands(EngineDeadError(f"engine loop died: {exc!r}"))
         self._fail_streams(EngineDeadError(f"engine loop died: {exc!r}"))
 
     def _fail_streams(self, error: BaseException) -> None:
@@ -521,13 +583,18 @@ class AsyncEngine:
         for stream in streams:
             stream.put(error)
 
-    def _drop_commands(self) -> None:
-        """Forgets queued adds and aborts (their streams are failed next)."""
+    def _drop_commands(self, error: BaseException | None = None) -> None:
+        """Forgets queued adds and aborts (their streams are failed next); a queued call
+        fails with `error`."""
         while True:
             try:
-                self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(command, _Call):
+                command.done.set_exception(
+                    error or EngineRestartedError("the engine restarted before the call ran")
+                )
 
     def _apply_commands(self) -> None:
         while True:
@@ -541,6 +608,11 @@ class AsyncEngine:
                     self.engine.add_group(command.group)
                 except ValueError as exc:
                     self._deliver(request_id, exc)
+            elif isinstance(command, _Call):
+                try:
+                    command.done.set_result(command.work())
+                except BaseException as exc:
+                    command.done.set_exception(exc)
             else:
                 output = self.engine.abort_request(command.request_id)
                 if output is not None:

@@ -44,6 +44,13 @@ from loraplex.platform.request import Request, RequestFailure, RequestOutput, Sa
 from loraplex.platform.request_limits import EngineLimits, fit_embedding, fit_request
 from loraplex.platform.scheduler import Scheduler
 from loraplex.platform.scheduler_output import SchedulerOutput
+from loraplex.platform.sleep_mode import (
+    KVShape,
+    SleepReport,
+    move_tensors,
+    release_kv_caches,
+    restore_kv_caches,
+)
 from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
 from loraplex.platform.stop import check_stop
 from loraplex.platform.tokenizer import encode_text, eos_token_ids, load_tokenizer
@@ -96,6 +103,8 @@ class LLMEngine:
         self._build_request_state()
         self._capture_graphs(self.runner.model)
         self.restarts = 0
+        self._asleep_kv: list[KVShape] | None = None
+        """What the KV cache is allocated as again on wake (None: awake)."""
         self._grammars: GrammarCompiler | None = None
         self._log_ready(time.monotonic() - started, self.runner.lora_slots)
 
@@ -464,7 +473,64 @@ class LLMEngine:
         if bad_bias:
             raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad_bias[:5]}")
 
+    @property
+    def asleep(self) -> bool:
+        return self._asleep_kv is not None
+
+    def sleep(self) -> SleepReport:
+        """Releases the KV cache (the prefix cache with it) and, on a GPU, moves the
+        weights to pinned host memory (platform/sleep_mode.py). ValueError while
+        requests are unfinished, when asleep already, or under tensor parallelism."""
+        if self.asleep:
+            raise ValueError("the engine is asleep already")
+        if self.workers is not None:
+            raise ValueError("sleep needs tensor_parallel_size 1 (this engine has workers)")
+        if self.has_unfinished():
+            raise ValueError("requests are still running; sleep once they finished")
+        started = time.monotonic()
+        self.reset()
+        self.runner.graphs = None
+        self._asleep_kv, kv_bytes = release_kv_caches(self.runner.kv_caches)
+        weight_bytes = move_tensors([self.runner.model], torch.device("cpu"))
+        self._give_back_freed_memory()
+        report = SleepReport(time.monotonic() - started, kv_bytes, weight_bytes)
+        logger.info(
+            "engine asleep in %.3f s: KV cache %.1f MiB released, weights %.1f MiB to host",
+            report.seconds,
+            kv_bytes / 2**20,
+            weight_bytes / 2**20,
+        )
+        return report
+
+    def wake_up(self) -> SleepReport:
+        """Undoes `sleep`: a zeroed KV cache of the same size, the weights back on the
+        device, the decode graphs captured again. ValueError when awake."""
+        if self._asleep_kv is None:
+            raise ValueError("the engine is awake")
+        started = time.monotonic()
+        weight_bytes = move_tensors([self.runner.model], self.device)
+        kv_bytes = restore_kv_caches(self.runner.kv_caches, self._asleep_kv)
+        self._asleep_kv = None
+        self._capture_graphs(self.runner.model)
+        report = SleepReport(time.monotonic() - started, kv_bytes, weight_bytes)
+        logger.info(
+            "engine awake in %.3f s: KV cache %.1f MiB allocated, weights %.1f MiB on %s",
+            report.seconds,
+            kv_bytes / 2**20,
+            weight_bytes / 2**20,
+            self.device,
+        )
+        return report
+
+    def _give_back_freed_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            release_freed_memory()
+
     def add_group(self, group: list[Request]) -> None:
+        if self.asleep:
+            raise ValueError("the engine is asleep: wake it up first")
         group_id = group[0].group_id
         if group_id in self.outputs:
             raise ValueError(f"request id {group_id!r} is already in use")

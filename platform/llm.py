@@ -13,6 +13,7 @@ from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import LLMEngine
 from loraplex.platform.request import RequestOutput, SamplingParams
 from loraplex.platform.request_limits import EMBEDDING_PARAMS
+from loraplex.platform.sleep_mode import SleepReport
 from loraplex.platform.tokenizer import apply_chat_template
 
 Prompt = str | Sequence[int]
@@ -93,6 +94,15 @@ class LLM:
         ):
             return [prompts]
         return list(prompts)
+
+    def sleep(self) -> SleepReport:
+        """Releases the KV cache and, on a GPU, moves the weights to host memory, for a
+        job that shares the machine meanwhile (platform/sleep_mode.py)."""
+        return self.engine.sleep()
+
+    def wake_up(self) -> SleepReport:
+        """Takes the memory `sleep` gave back; generation goes on as before."""
+        return self.engine.wake_up()
 
     def register_adapter(self, name: str, folder: str) -> None:
         """Names an adapter folder; later `generate(..., adapters=[name])` may use it."""

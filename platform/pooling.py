@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
+    from loraplex.platform.request import Request
+
 logger = logging.getLogger(__name__)
 
 PoolingMode = Literal["last", "mean", "cls"]
@@ -85,12 +87,34 @@ def rows_to_pool(spec: PoolingSpec, start: int, stop: int, num_prompt_tokens: in
     return range(wanted, wanted + 1) if start <= wanted < stop else range(0)
 
 
-def embedding_from(spec: PoolingSpec, pooled: torch.Tensor, num_prompt_tokens: int) -> list[float]:
-    """The embedding of a prompt whose pooled rows added up to `pooled` [H] (float32).
-    ValueError when it is not finite (NaN or Inf in the model's hidden states)."""
-    vector = pooled / num_prompt_tokens if spec.mode == "mean" else pooled
+def add_pooled(request: Request, rows: torch.Tensor) -> None:
+    """Adds a step's pooled sum [H] to an embedding request's."""
+    request.pooled = rows if request.pooled is None else request.pooled + rows
+
+
+def end_pooling(request: Request) -> bool:
+    """For an embedding request whose whole prompt is computed: sets its embedding and
+    returns True, or sets its `failure` when the embedding is not finite (NaN or Inf in
+    the hidden states: the adapter's fault when it has one). False while prompt
+    positions remain."""
+    from loraplex.platform.request import RequestFailure  # request.py imports this module
+
+    if request.num_computed_tokens < request.num_prompt_tokens:
+        return False
+    spec, pooled = request.pooling, request.pooled
+    vector = pooled / request.num_prompt_tokens if spec.mode == "mean" else pooled
+    request.pooled = None
     if not bool(vector.isfinite().all()):
-        raise ValueError("the pooled hidden states are not finite (NaN or Inf)")
+        if request.lora is not None:
+            request.failure = RequestFailure(
+                f"adapter {request.lora.name!r} produced non-finite hidden states (NaN or "
+                "Inf); its weights cannot be served",
+                client_fault=True,
+            )
+        else:
+            request.failure = RequestFailure("the model produced non-finite hidden states")
+        return False
     if spec.normalize:
         vector = vector / vector.norm().clamp_min(1e-12)
-    return vector.tolist()
+    request.embedding = vector.tolist()
+    return True

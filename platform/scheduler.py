@@ -1,5 +1,4 @@
-"""Iteration-level scheduling policy. Never touches tensors (beyond adding up the rows an
-embedding request pooled).
+"""Iteration-level scheduling policy. Never touches tensors.
 
 Each step the scheduler decides "request -> number of tokens to compute now":
 running requests first (decodes, then unfinished prefill chunks, each in admission
@@ -50,19 +49,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from loraplex.platform.config import SchedulerConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
-from loraplex.platform.pooling import embedding_from
+from loraplex.platform.pooling import add_pooled, end_pooling
 from loraplex.platform.request import Logprob, Request, RequestFailure, RequestStatus
 from loraplex.platform.scheduler_output import ScheduledRequest, SchedulerOutput
 from loraplex.platform.scheduling_policy import policy_for
 from loraplex.platform.spec_decode import NgramProposer, SpecDecodeStats
 from loraplex.platform.waiting_queue import WaitingQueue
-
-if TYPE_CHECKING:
-    import torch
 
 
 class Scheduler:
@@ -284,7 +279,7 @@ class Scheduler:
         sampled: Mapping[str, Sequence[tuple[int, object]]],
         failed: dict[str, RequestFailure] | None = None,
         prompt_logprobs: Mapping[str, Sequence[Logprob]] | None = None,
-        pooled: Mapping[str, torch.Tensor] | None = None,
+        pooled: Mapping[str, object] | None = None,
     ) -> list[Request]:
         """Books the step's scored prompt positions (`prompt_logprobs` per request id),
         advances computed counts, forks siblings, appends each request's first new
@@ -306,15 +301,11 @@ class Scheduler:
         for request_id, logprobs in (prompt_logprobs or {}).items():
             self.requests[request_id].prompt_logprobs.extend(logprobs)
         for request_id, rows in (pooled or {}).items():
-            request = self.requests[request_id]
-            request.pooled = rows if request.pooled is None else request.pooled + rows
-        embedded = []
+            add_pooled(self.requests[request_id], rows)
         for item in output.scheduled:
             item.request.num_computed_tokens += item.num_tokens
             if item.draft_token_ids:
                 self._book_verification(item, sampled.get(item.request.request_id))
-            if item.request.pooling is not None and request_done_pooling(item.request):
-                embedded.append(item.request)
         for parent_id, siblings in output.forks.items():
             parent = self.requests[parent_id]
             del self.fork_waiting[parent_id]
@@ -335,22 +326,13 @@ class Scheduler:
             request.append_output_token(*tokens[0])
             self.policy.charge(request, len(tokens))
             updated.append(request)
-        for request in embedded:
-            if request.request_id in self.requests:
-                updated.extend(self._end_embedding(request))
+        for request in [s.request for s in output.scheduled if s.request.pooling is not None]:
+            if request.request_id in self.requests and end_pooling(request):
+                updated.append(request)
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+            elif request.failure is not None and request.request_id in self.requests:
+                updated.extend(self.fail_group(request.group_id, request.failure))
         return updated
-
-    def _end_embedding(self, request: Request) -> list[Request]:
-        """Ends an embedding request whose prompt is computed, with its embedding."""
-        try:
-            request.embedding = embedding_from(
-                request.pooling, request.pooled, request.num_prompt_tokens
-            )
-        except ValueError as exc:
-            return self.fail_group(request.group_id, _embedding_failure(request, exc))
-        request.pooled = None
-        self.finish(request, RequestStatus.FINISHED_STOPPED)
-        return [request]
 
     def _book_verification(
         self, item: ScheduledRequest, tokens: Sequence[tuple[int, object]] | None
@@ -408,17 +390,3 @@ class Scheduler:
             if request.request_id in self.requests:
                 self.finish(request, RequestStatus.FINISHED_ABORTED)
         return members
-
-
-def request_done_pooling(request: Request) -> bool:
-    """Whether an embedding request's whole prompt is computed (and pooled)."""
-    return request.num_computed_tokens >= request.num_prompt_tokens
-
-
-def _embedding_failure(request: Request, exc: ValueError) -> RequestFailure:
-    if request.lora is not None:
-        return RequestFailure(
-            f"adapter {request.lora.name!r}: {exc}; its weights cannot be served",
-            client_fault=True,
-        )
-    return RequestFailure(f"the model's embedding failed: {exc}")

@@ -19,7 +19,7 @@ python3 -c 'import torch, triton, transformers, peft; print("torch", torch.__ver
 
 echo "== tests on CUDA"
 PYTHONPATH=/tmp/shim-after timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider \
-    -n 0 -q -x ${TESTS:-tests/platform/test_decode_graphs.py tests/platform/test_triton_path.py} \
+    -n 0 -q -x ${TESTS:-tests/platform/test_decode_graphs.py tests/platform/test_triton_path.py tests/platform/test_sleep_mode.py} \
     >"$OUT/tests.log" 2>&1
 echo "tests exit $?"; tail -n 25 "$OUT/tests.log"
 

@@ -242,3 +242,31 @@ def test_an_input_may_fill_the_context_and_no_more(pooling_setup):
     assert len(vector) == 64
     with pytest.raises(ValueError, match="input has 65 tokens, but max_model_len is 64"):
         llm.embed([list(range(1, 66))])
+
+
+def test_an_adapter_whose_hidden_states_overflow_fails_its_request_alone(
+    pooling_setup, peft_adapter_factory, tiny_model_factory, tmp_path
+):
+    """Finite weights so large that the adapted activations overflow float32: that
+    embedding request fails as the client's fault; the base request beside it is served."""
+    _, folders, _, _ = pooling_setup
+    huge = peft_adapter_factory(tiny_model_factory("llama"), tmp_path / "huge", std=1e25)
+    llm = LLM(str(folders["last"]), dtype="float32", max_model_len=64, max_lora_rank=8)
+    engine = llm.engine
+    engine.add_group(
+        engine.make_request_group(
+            "bad",
+            [1, 2, 3],
+            SamplingParams(max_tokens=1),
+            lora=engine.load_adapter(str(huge)),
+            embed=True,
+        )
+    )
+    engine.add_group(engine.make_request_group("ok", [1, 2, 3], SamplingParams(), embed=True))
+    finished = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            finished[output.request_id] = output
+    assert finished["bad"].error.client_fault and "non-finite" in finished["bad"].error.message
+    assert finished["ok"].error is None and len(finished["ok"].embedding) == 64
+    assert engine.kv_cache.pool.num_free == engine.kv_cache.pool.num_blocks

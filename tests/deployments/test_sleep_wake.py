@@ -12,9 +12,11 @@ MODEL = "tiny-tight"
 
 def test_an_operator_puts_a_model_to_sleep_and_wakes_it(post, client, operator_key):
     def answer() -> str:
-        return client.completions.create(
-            model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0
-        ).choices[0].text
+        return (
+            client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0)
+            .choices[0]
+            .text
+        )
 
     before = answer()
     status, slept = post(f"/v1/admin/models/{MODEL}/sleep", {}, operator_key)

@@ -473,6 +473,11 @@ class StartedCalls:
     admission: FleetAdmission
 
 
+def batch_call_id(response_id: str, index: int, count: int) -> str:
+    """The request id of entry `index` of a batch of `count` prompts or inputs."""
+    return response_id if count == 1 else f"{response_id}-{index}"
+
+
 def fleet_admission(model: ModelDeploymentConfig) -> FleetAdmission:
     """The ingress's admission estimate over `model`'s replicas, with the limits their
     own admission uses."""
@@ -860,7 +865,7 @@ class OpenAIIngress:
         prompts = body.prompts
         calls = [
             GenerateCall(
-                request_id=response_id if len(prompts) == 1 else f"{response_id}-{index}",
+                request_id=batch_call_id(response_id, index, len(prompts)),
                 params=params,
                 prompt=prompt,
                 max_tokens_given=body.max_tokens is not None,
@@ -900,7 +905,7 @@ class OpenAIIngress:
         inputs = body.inputs
         calls = [
             GenerateCall(
-                request_id=response_id if len(inputs) == 1 else f"{response_id}-{index}",
+                request_id=batch_call_id(response_id, index, len(inputs)),
                 params=EMBEDDING_PARAMS,
                 prompt=text,
                 received_at=received_at,

@@ -250,15 +250,29 @@ class SamplingFields(IgnoredFields):
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptBatch = (
+    Annotated[str, Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
+"""A string, token ids, or a batch of either (completions' `prompt`, embeddings' `input`)."""
+
+
+def as_batch(given: str | list) -> list[str] | list[list[int]]:
+    """A PromptBatch as a list: one string or one list of token ids is a batch of one."""
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        return [given]
+    return list(given)
+
+
+def check_batch_size(batch: list, field: str) -> None:
+    if len(batch) > MAX_PROMPTS:
+        raise ValueError(f"{field}: at most {MAX_PROMPTS} entries in one request")
 
 
 class CompletionRequest(SamplingFields):
-    prompt: (
-        Annotated[str, Field(min_length=1)]
-        | TokenIds
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-        | Annotated[list[TokenIds], Field(min_length=1)]
-    ) = Field(description="a string, token ids, or a batch of either")
+    prompt: PromptBatch = Field(description="a string, token ids, or a batch of either")
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: None = Field(default=None, description="not supported: must be absent or null")
@@ -266,15 +280,11 @@ class CompletionRequest(SamplingFields):
     @property
     def prompts(self) -> list[str] | list[list[int]]:
         """The batch: one prompt per entry."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]
-        return list(prompt)
+        return as_batch(self.prompt)
 
     @model_validator(mode="after")
     def _batch_size(self) -> CompletionRequest:
-        if len(self.prompts) > MAX_PROMPTS:
-            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request")
+        check_batch_size(self.prompts, "prompt")
         return self
 
     @property
@@ -294,12 +304,7 @@ class EmbeddingRequest(StrictModel):
     (platform/pooling.py), of the base model or of `base:adapter`."""
 
     model: str = Field(min_length=1, max_length=256)
-    input: (
-        Annotated[str, Field(min_length=1)]
-        | TokenIds
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-        | Annotated[list[TokenIds], Field(min_length=1)]
-    ) = Field(description="a string, token ids, or a batch of either")
+    input: PromptBatch = Field(description="a string, token ids, or a batch of either")
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="base64: the little-endian float32 bytes of each embedding"
     )
@@ -313,15 +318,11 @@ class EmbeddingRequest(StrictModel):
     @property
     def inputs(self) -> list[str] | list[list[int]]:
         """The batch: one input per entry."""
-        given = self.input
-        if isinstance(given, str) or (given and isinstance(given[0], int)):
-            return [given]
-        return list(given)
+        return as_batch(self.input)
 
     @model_validator(mode="after")
     def _batch_size(self) -> EmbeddingRequest:
-        if len(self.inputs) > MAX_PROMPTS:
-            raise ValueError(f"input: at most {MAX_PROMPTS} inputs in one request")
+        check_batch_size(self.inputs, "input")
         return self
 
 

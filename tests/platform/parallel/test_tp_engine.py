@@ -35,11 +35,12 @@ def ray_cluster():
         ray.shutdown()
 
 
-def generate(llm: LLM, prompts, adapters) -> tuple[list[list[int]], list]:
-    """Token ids, and the prompt logprobs (compared approximately)."""
+def generate(llm: LLM, prompts, adapters) -> tuple[list[list[int]], list, list]:
+    """Token ids, the prompt logprobs and the prompts' embeddings (both compared
+    approximately)."""
     outputs = llm.generate(prompts, GREEDY, adapters)
     scores = [[(e.token_id, e.logprob) for e in o.prompt_logprobs[1:]] for o in outputs]
-    return [o.token_ids for o in outputs], scores
+    return [o.token_ids for o in outputs], scores, llm.embed(prompts, adapters)
 
 
 def assert_same_prompt_scores(want: list, got: list) -> None:
@@ -51,6 +52,13 @@ def assert_same_prompt_scores(want: list, got: list) -> None:
         assert [v for _, v in ours] == pytest.approx([v for _, v in theirs], abs=1e-4)
 
 
+def assert_same_embeddings(want: list, got: list) -> None:
+    """Embeddings of both sizes within fp32 noise (the sharded projections sum their
+    partial products across ranks)."""
+    for ours, theirs in zip(want, got, strict=True):
+        assert theirs == pytest.approx(ours, abs=1e-5)
+
+
 def both_sizes(model: str, adapters: dict[str, Path], prompts, request_adapters, **options):
     """Outputs and shard memory at tensor_parallel_size 1 and 2 (same block count)."""
     results = {}
@@ -59,8 +67,8 @@ def both_sizes(model: str, adapters: dict[str, Path], prompts, request_adapters,
         try:
             for name, folder in adapters.items():
                 llm.register_adapter(name, str(folder))
-            tokens, scores = generate(llm, prompts, request_adapters)
-            results[size] = (tokens, llm.engine.shard_memory(), scores)
+            tokens, scores, embeddings = generate(llm, prompts, request_adapters)
+            results[size] = (tokens, llm.engine.shard_memory(), scores, embeddings)
         finally:
             llm.engine.shutdown()
     return results
@@ -87,6 +95,7 @@ def test_default_model_with_demo_adapters(ray_cluster):
     )
     assert results[2][0] == results[1][0]
     assert_same_prompt_scores(results[1][2], results[2][2])
+    assert_same_embeddings(results[1][3], results[2][3])
     assert results[1][0][0] != results[1][0][2], "the adapter should change the answer"
     (single,), (rank0, rank1) = results[1][1], results[2][1]
     logger.info("per-rank memory TP=1: %s; TP=2: %s, %s", single, rank0, rank1)
@@ -133,6 +142,7 @@ def test_replicated_kv_head_with_mixed_adapters(
     )
     assert results[2][0] == results[1][0]
     assert_same_prompt_scores(results[1][2], results[2][2])
+    assert_same_embeddings(results[1][3], results[2][3])
     (single,), (rank0, rank1) = results[1][1], results[2][1]
     # One kv head cannot be split: each rank keeps a full copy of the (small) KV.
     assert rank0.kv_cache_bytes == rank1.kv_cache_bytes == single.kv_cache_bytes

@@ -3,7 +3,8 @@
 Hermes-style chat template): LangChain's ChatOpenAI (invoke, stream, batch,
 with_structured_output by JSON schema and by function calling), instructor with a
 pydantic response model (tool and JSON-schema modes), the OpenAI Agents SDK running
-one function tool, and the `openai` SDK with list-of-parts content."""
+one function tool, the `openai` SDK with list-of-parts content, and LangChain's
+OpenAIEmbeddings."""
 
 from __future__ import annotations
 
@@ -131,3 +132,25 @@ def test_openai_sdk_list_of_parts_equals_the_joined_text(client):
     )
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
     assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+
+
+def test_langchain_embeddings_equal_the_openai_sdks(serve_url, tenant_keys, client):
+    """LangChain's OpenAIEmbeddings sending text (`check_embedding_ctx_length=False`:
+    its default sends tiktoken's token ids, which are another vocabulary's)."""
+    from langchain_openai import OpenAIEmbeddings
+
+    embeddings = OpenAIEmbeddings(
+        model=MODEL,
+        base_url=f"{serve_url}/v1",
+        api_key=tenant_keys["acme"],
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
+    texts = [QUESTION, "Rome is sunny."]
+    documents = embeddings.embed_documents(texts)
+    query = embeddings.embed_query(QUESTION)
+    direct = client.embeddings.create(model=MODEL, input=texts, encoding_format="float").data
+    assert len(documents) == len(direct) == 2
+    for document, item in zip(documents, direct, strict=True):
+        assert document == pytest.approx(item.embedding, abs=1e-6)
+    assert query == pytest.approx(direct[0].embedding, abs=1e-6)

@@ -44,13 +44,22 @@ two-node test runs last: its deploy took 581 s under the other worker's torch-he
 tests against 94 s alone."""
 
 
+SESSION_RAY_FIRST = ("tests/deployments/test_day_one.py",)
+"""Session Ray modules whose bounds are a few seconds (first-token and inter-token
+timeouts): they run first, while the other worker runs the tests without Ray, never
+beside OWN_RAY_CLUSTER's (a CI VM stalled a replica 3 s with both clusters busy)."""
+
+
 def _collection_band(nodeid: str) -> tuple[int, int]:
     """Where a test goes in the collection: the session's Ray tests first (their worker
-    is the suite's long pole), then the tests without Ray, then OWN_RAY_CLUSTER's."""
+    is the suite's long pole), SESSION_RAY_FIRST's ahead of the rest; then the tests
+    without Ray; then OWN_RAY_CLUSTER's."""
     for order, prefix in enumerate(OWN_RAY_CLUSTER):
         if nodeid.startswith(prefix):
             return 2, order
-    return (0, 0) if nodeid.startswith(SESSION_RAY_PREFIX) else (1, 0)
+    if nodeid.startswith(SESSION_RAY_FIRST):
+        return 0, 0
+    return (0, 1) if nodeid.startswith(SESSION_RAY_PREFIX) else (1, 0)
 
 
 def pytest_collection_modifyitems(items):

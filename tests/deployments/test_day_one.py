@@ -1,7 +1,7 @@
 """Issue 31, what an operator meets in the first week, against a real Serve app: a
 second application ("dayone", under /dayone) beside the session's, whose replicas this
 module kills, poisons and stalls without touching the session app's. Its ingress gives
-a first token 2 s (so a cold start longer than that shows) and a silent stream 3 s.
+a first token 2 s (so a cold start longer than that shows) and a silent stream 6 s.
 
 - readiness: /health is computed from Serve's replica states, turns 503 within 5 s of
   a model replica's death and 200 once its replacement is warm; a request sent during
@@ -76,7 +76,9 @@ def dayone(serve_setup, base_folder):
         "ingress": {
             "num_cpus": 0.05,
             "first_token_timeout_s": 2,
-            "inter_token_timeout_s": 3,
+            # Twice the slowest armed step (the redeploy test's 1 s, with replicas
+            # starting beside it) and then some: a 2-core CI VM stalled a replica 3 s.
+            "inter_token_timeout_s": 6,
             "max_ongoing_requests": INGRESS_BOUND,
         },
         "models": [
@@ -229,7 +231,7 @@ def test_a_permanent_step_fault_gets_the_replica_replaced(dayone):
 
 def test_a_stalled_engine_ends_open_streams_with_an_inter_token_timeout(dayone):
     """Acceptance 4: with `engine.delay` at 10 s per step, an open stream ends with an
-    inter-token timeout error event (3 s here) instead of hanging."""
+    inter-token timeout error event (6 s here) instead of hanging."""
     from ray import serve
 
     wait_for(lambda: health(dayone)[0] == 200, 120, "the day-one app is ready")
@@ -421,10 +423,11 @@ def test_failpoint_calls_reach_the_replica_they_name(dayone):
 
 
 def test_past_its_bound_the_ingress_refuses_in_openai_json(dayone):
-    """Item 11: with its 8 places held by slow streams (`pair` armed with a 0.5 s delay
-    per step), the ingress answers the next request itself: 503 `overloaded` in
-    OpenAI error JSON with Retry-After, not the HTTP proxy's plain text; /health still
-    answers; once the streams end, requests pass again."""
+    """Item 11: with its 8 places held by slow streams (`pair` armed with a 0.25 s delay
+    per step, so each first token comes well within the 2 s first-token timeout), the
+    ingress answers the next request itself: 503 `overloaded` in OpenAI error JSON with
+    Retry-After, not the HTTP proxy's plain text; /health still answers; once the
+    streams end, requests pass again."""
     from ray import serve
     from ray.serve.context import _get_global_client
 
@@ -434,7 +437,7 @@ def test_past_its_bound_the_ingress_refuses_in_openai_json(dayone):
     replicas = details["applications"][APP]["deployments"]["model-pair"]["replicas"]
     ids = [r["replica_id"] for r in replicas if r["state"] == "RUNNING"]
     for replica in ids:
-        handle.arm_failpoint.remote("engine.delay", None, None, 0.5, replica=replica).result(
+        handle.arm_failpoint.remote("engine.delay", None, None, 0.25, replica=replica).result(
             timeout_s=30
         )
     streams = []
@@ -443,7 +446,7 @@ def test_past_its_bound_the_ingress_refuses_in_openai_json(dayone):
             api = client(dayone, key=key)
             for _ in range(INGRESS_BOUND // 2):
                 stream = api.completions.create(
-                    model="pair", prompt="w1 w2", max_tokens=40, temperature=0, stream=True
+                    model="pair", prompt="w1 w2", max_tokens=120, temperature=0, stream=True
                 )
                 streams.append(stream)
         for stream in streams:

@@ -6,6 +6,11 @@ like `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`. Everythin
 validated before a `LoRAAdapter` is returned; anything we cannot serve exactly raises
 `AdapterError` naming the problem and the offending value.
 
+PEFT's `modules_to_save` for `lm_head` and `embed_tokens` is served too: the adapter
+then carries whole copies of those matrices, `base_model.model.lm_head.weight` and
+`base_model.model.model.embed_tokens.weight`, each [vocab, hidden]. Their vocabulary may
+be larger than the base's (a resized vocabulary) up to `max_vocab_size`.
+
 The returned B already carries the module's scaling (alpha / r, or alpha / sqrt(r) with
 rsLoRA, after PEFT's `rank_pattern` / `alpha_pattern`), so the delta is `x @ A.T @ B.T`.
 
@@ -34,6 +39,7 @@ registration in its own process.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -61,6 +67,15 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLED_WEIGHTS_NAME = "adapter_model.bin"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+"""What an adapter with a resized vocabulary ships its tokenizer as (tokenizer.json
+required: a fast tokenizer, read without running code)."""
+_TOKENIZER_FILE_LIMIT = 64 << 20
 
 SUPPORTED_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -73,6 +88,16 @@ SUPPORTED_MODULES: tuple[str, ...] = (
 )
 _ATTENTION_MODULES = SUPPORTED_MODULES[:4]
 _PARENT = {m: "self_attn" if m in _ATTENTION_MODULES else "mlp" for m in SUPPORTED_MODULES}
+SAVED_MODULES: dict[str, str] = {
+    "embed_tokens": "base_model.model.model.embed_tokens.weight",
+    "lm_head": "base_model.model.lm_head.weight",
+}
+"""`modules_to_save` entries loraplex serves -> the tensor PEFT saves each as."""
+_SAVED_MODULE_OF = {tensor: module for module, tensor in SAVED_MODULES.items()}
+_SAVED_TENSOR = re.compile(
+    r"base_model\.model\.(?P<module>model\.embed_tokens|lm_head)"
+    r"(?P<part>\.modules_to_save|\.original_module)?\.weight"
+)
 _TENSOR_NAME = re.compile(
     r"base_model\.model\.(?P<key>model\.layers\.(?P<layer>0|[1-9]\d{0,8})\."
     r"(?P<parent>self_attn|mlp)\.(?P<module>\w+))\.lora_(?P<ab>[AB])\.weight"
@@ -85,7 +110,6 @@ _REJECTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "fan_in_fan_out": (False, None),
     "bias": ("none", None),
     "lora_bias": (False, None),
-    "modules_to_save": (None, []),
     "trainable_token_indices": (None, [], {}),
     "use_qalora": (False, None),
     "alora_invocation_tokens": (None, []),
@@ -157,10 +181,23 @@ class LoRAAdapter:
     path: Path
     key: bytes
     modules: Mapping[tuple[int, str], LoRAModuleWeights]
+    saved_modules: Mapping[str, torch.Tensor] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    """`modules_to_save` name ('embed_tokens', 'lm_head') -> the adapter's float32 copy of
+    that matrix, [vocab_size, hidden]; a module absent here is the base model's."""
+    tokenizer: Any = None
+    """The adapter's own HF tokenizer, when its vocabulary is resized (None: the base
+    model's tokenizer serves it)."""
 
     @property
     def rank(self) -> int:
         return max(m.rank for m in self.modules.values())
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the adapter's saved embedding / LM head (None: it saves neither)."""
+        return next((t.shape[0] for t in self.saved_modules.values()), None)
 
     @property
     def target_modules(self) -> frozenset[str]:
@@ -168,7 +205,9 @@ class LoRAAdapter:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.a, m.b))
+        """Host memory of its tensors: the LoRA pairs and the saved modules."""
+        pairs = sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.a, m.b))
+        return pairs + sum(t.numel() * t.element_size() for t in self.saved_modules.values())
 
     @property
     def key_hex(self) -> str:
@@ -177,13 +216,27 @@ class LoRAAdapter:
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         """Picklable (the read-only module map is rebuilt): tensor-parallel workers get
         the adapters rank 0 writes into its slots."""
-        return _rebuild_adapter, (self.name, self.path, self.key, dict(self.modules))
+        return _rebuild_adapter, (
+            self.name,
+            self.path,
+            self.key,
+            dict(self.modules),
+            dict(self.saved_modules),
+            self.tokenizer,
+        )
 
 
 def _rebuild_adapter(
-    name: str, path: Path, key: bytes, modules: dict[tuple[int, str], LoRAModuleWeights]
+    name: str,
+    path: Path,
+    key: bytes,
+    modules: dict[tuple[int, str], LoRAModuleWeights],
+    saved_modules: dict[str, torch.Tensor],
+    tokenizer: Any,
 ) -> LoRAAdapter:
-    return LoRAAdapter(name, path, key, MappingProxyType(modules))
+    return LoRAAdapter(
+        name, path, key, MappingProxyType(modules), MappingProxyType(saved_modules), tokenizer
+    )
 
 
 class BaseModelShape(Protocol):
@@ -196,6 +249,7 @@ class BaseModelShape(Protocol):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    vocab_size: int
 
 
 def expected_lora_shapes(arch: BaseModelShape) -> dict[str, tuple[int, int]]:
@@ -215,15 +269,23 @@ def expected_lora_shapes(arch: BaseModelShape) -> dict[str, tuple[int, int]]:
 
 @dataclass(frozen=True)
 class _CheckedAdapter:
-    """A folder's adapter after every check: float32 A and scaled B per module, as numpy
-    arrays, and the content key."""
+    """A folder's adapter after every check: float32 A and scaled B per module and the
+    saved modules' float32 matrices, as numpy arrays, and the content key."""
 
     key: bytes
     modules: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, float]]
+    saved_modules: dict[str, np.ndarray]
+    tokenizer_files: dict[str, bytes | bytearray]
+    """TOKENIZER_FILES present in the folder, by name (read only for a resized
+    vocabulary; empty otherwise)."""
 
 
 def _check_adapter(
-    path: Path, arch: BaseModelShape, max_rank: int, root: str | Path | None
+    path: Path,
+    arch: BaseModelShape,
+    max_rank: int,
+    root: str | Path | None,
+    max_vocab_size: int | None,
 ) -> _CheckedAdapter:
     follow_links = root is None
     with ExitStack() as stack:
@@ -232,22 +294,43 @@ def _check_adapter(
         weights_fd = _enter_weights(stack, folder_fd, path, follow_links)
         _check_config_is_plain_lora(config)
         header = _read_header(weights_fd, path / WEIGHTS_NAME)
-        pairs = _pair_lora_tensors(header.entries, arch)
+        saved = _saved_module_tensors(config, header.entries, arch, max_vocab_size)
+        lora_entries = {n: e for n, e in header.entries.items() if n not in saved.names}
+        pairs = _pair_lora_tensors(lora_entries, arch)
         scalings = _module_scalings(config, pairs, header.entries, max_rank)
+        vocab = next((header.entries[n].shape[0] for n in saved.weights.values()), None)
+        tokenizer_files = {}
+        if vocab is not None and vocab != arch.vocab_size:
+            tokenizer_files = _read_tokenizer_files(stack, folder_fd, path, follow_links)
+            _check_tokenizer_fits(tokenizer_files, vocab, path)
         data = _read_tensor_data(weights_fd, header, path / WEIGHTS_NAME)
     modules = {
         key: (*_module_arrays(header.entries, data, *pairs[key], scaling), scaling)
         for key, scaling in scalings.items()
     }
-    return _CheckedAdapter(_identity_key(scalings, header.entries, data), modules)
+    saved_arrays = {}
+    for module, tensor_name in saved.weights.items():
+        saved_arrays[module] = _as_float32(header.entries[tensor_name], data[tensor_name])
+        _check_finite(tensor_name, saved_arrays[module])
+    for copy, original in saved.copies.items():
+        if header.entries[copy].dtype != header.entries[original].dtype or bytes(
+            data[copy]
+        ) != bytes(data[original]):
+            raise AdapterError(f"tensor {copy!r} does not repeat {original!r}")
+    key = _identity_key(scalings, header.entries, data)
+    return _CheckedAdapter(key, modules, saved_arrays, tokenizer_files)
 
 
 def validate_peft_adapter(
-    path: str | Path, arch: BaseModelShape, max_rank: int, root: str | Path | None = None
+    path: str | Path,
+    arch: BaseModelShape,
+    max_rank: int,
+    root: str | Path | None = None,
+    max_vocab_size: int | None = None,
 ) -> None:
     """Every check of `load_peft_adapter`, with the same AdapterError, and no torch: the
     ingress validates a registration with it and leaves loading to the replicas."""
-    _check_adapter(Path(path), arch, max_rank, root)
+    _check_adapter(Path(path), arch, max_rank, root, max_vocab_size)
 
 
 def load_peft_adapter(
@@ -256,16 +339,18 @@ def load_peft_adapter(
     max_rank: int,
     name: str | None = None,
     root: str | Path | None = None,
+    max_vocab_size: int | None = None,
 ) -> LoRAAdapter:
     """Reads and validates a PEFT LoRA directory; AdapterError if it cannot be served.
 
     `root`: a tenant's adapter root; `path` must then lie under it, and neither the
     folder nor its files may be (or be reached through) a symbolic link. Without a root
-    `path` is opened as given."""
+    `path` is opened as given. `max_vocab_size`: the most rows a saved embedding or LM
+    head may have (None: the base's vocabulary, no resizing)."""
     import torch
 
     path = Path(path)
-    checked = _check_adapter(path, arch, max_rank, root)
+    checked = _check_adapter(path, arch, max_rank, root, max_vocab_size)
     modules = {
         key: LoRAModuleWeights(a=torch.from_numpy(a), b=torch.from_numpy(b), scaling=scaling)
         for key, (a, b, scaling) in checked.modules.items()
@@ -275,13 +360,20 @@ def load_peft_adapter(
         path=path,
         key=checked.key,
         modules=MappingProxyType(modules),
+        saved_modules=MappingProxyType(
+            {module: torch.from_numpy(array) for module, array in checked.saved_modules.items()}
+        ),
+        tokenizer=_build_tokenizer(checked.tokenizer_files, path)
+        if checked.tokenizer_files
+        else None,
     )
     logger.info(
-        "loaded adapter %r from %s: %d modules, rank %d, %d bytes, key %s",
+        "loaded adapter %r from %s: %d modules, rank %d, saved modules %s, %d bytes, key %s",
         adapter.name,
         path,
         len(modules),
         adapter.rank,
+        sorted(adapter.saved_modules) or "none",
         adapter.num_bytes,
         adapter.key_hex,
     )
@@ -423,6 +515,144 @@ def _strict_json(raw: bytes | bytearray, unique_keys: bool = False) -> Any:
 
 
 # --- config --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _SavedTensors:
+    """Where a file holds its saved modules: each module's weights, the copies PEFT
+    saves beside them (`<module>.modules_to_save.weight`, which must be equal), and the
+    base's own resized matrices (`<module>.original_module.weight`, unused by an enabled
+    adapter)."""
+
+    weights: dict[str, str]
+    """module -> tensor name"""
+    copies: dict[str, str]
+    """copy tensor name -> the weights' tensor name it repeats"""
+    names: frozenset[str]
+    """Every tensor name above, the ignored originals included."""
+
+
+def _saved_module_tensors(
+    config: dict[str, Any],
+    entries: Mapping[str, _TensorEntry],
+    arch: BaseModelShape,
+    max_vocab_size: int | None,
+) -> _SavedTensors:
+    """The file's saved modules, after checking `modules_to_save`, the tensors' shapes
+    and their vocabulary against the cap. As PEFT loads them: a module's weights in the
+    file are this adapter's, listed in `modules_to_save` or not (PEFT saves a resized
+    base's embedding layers unlisted); a listed module without them keeps the base's."""
+    listed = config.get("modules_to_save") or []
+    if not isinstance(listed, list) or not all(m in SAVED_MODULES for m in listed):
+        raise AdapterError(
+            f"modules_to_save={reprlib.repr(listed)} is not supported: only "
+            f"{sorted(SAVED_MODULES)} can be saved modules"
+        )
+    weights: dict[str, str] = {}
+    copies: dict[str, str] = {}
+    names: set[str] = set()
+    for tensor_name, entry in entries.items():
+        match = _SAVED_TENSOR.fullmatch(tensor_name)
+        if match is None:
+            continue
+        names.add(tensor_name)
+        if entry.dtype not in _SERVABLE:
+            raise AdapterError(
+                f"tensor {tensor_name!r} has dtype {entry.torch_dtype_name}, {_NEED_FLOAT}"
+            )
+        if len(entry.shape) != 2 or entry.shape[1] != arch.hidden_size:
+            raise AdapterError(
+                f"tensor {tensor_name!r} has shape {reprlib.repr(list(entry.shape))}, expected "
+                f"[vocab, {arch.hidden_size}] for this base model"
+            )
+        module = _SAVED_MODULE_OF[f"base_model.model.{match['module']}.weight"]
+        if match["part"] == ".modules_to_save":
+            copies[tensor_name] = SAVED_MODULES[module]
+        elif match["part"] is None:
+            weights[module] = tensor_name
+    for copy, original in copies.items():
+        if original not in entries or entries[original].shape != entries[copy].shape:
+            raise AdapterError(f"tensor {copy!r} does not repeat {original!r}")
+    sizes = {entries[name].shape[0] for name in weights.values()}
+    if len(sizes) > 1:
+        raise AdapterError(
+            f"the saved embed_tokens and lm_head have different vocabularies ({sorted(sizes)})"
+        )
+    vocab = sizes.pop() if sizes else arch.vocab_size
+    cap = max(arch.vocab_size, max_vocab_size or 0)
+    if not arch.vocab_size <= vocab <= cap:
+        raise AdapterError(
+            f"the saved modules have a vocabulary of {vocab} tokens; this model serves "
+            f"{arch.vocab_size} to {cap} (max_adapter_vocab_size)"
+        )
+    if vocab != arch.vocab_size and len(weights) != len(SAVED_MODULES):
+        raise AdapterError(
+            f"a resized vocabulary ({vocab} tokens, the base has {arch.vocab_size}) needs "
+            "the adapter's own embed_tokens and lm_head"
+        )
+    return _SavedTensors(weights, copies, frozenset(names))
+
+
+def _read_tokenizer_files(
+    stack: ExitStack, folder_fd: int, path: Path, follow_links: bool
+) -> dict[str, bytes | bytearray]:
+    """The TOKENIZER_FILES the folder holds (tokenizer.json at least), each read through
+    its own descriptor, like the weights."""
+    files: dict[str, bytes | bytearray] = {}
+    for name in TOKENIZER_FILES:
+        try:
+            fd = _enter_file(stack, folder_fd, name, follow_links)
+        except FileNotFoundError:
+            continue
+        except OSError as err:  # safe_files.UnsafePathError among them
+            raise AdapterError(f"cannot read {name} in {str(path)!r}: {err}") from None
+        size = os.fstat(fd).st_size
+        if size > _TOKENIZER_FILE_LIMIT:
+            raise AdapterError(
+                f"{name} in {str(path)!r} is {size} bytes, over the "
+                f"{_TOKENIZER_FILE_LIMIT}-byte limit"
+            )
+        files[name] = safe_files.read_at(fd, 0, size)
+    if "tokenizer.json" not in files:
+        raise AdapterError(
+            f"{str(path)!r} resizes the vocabulary but ships no tokenizer.json: its new "
+            "tokens could not be read or written as text"
+        )
+    return files
+
+
+def _check_tokenizer_fits(files: dict[str, bytes | bytearray], vocab: int, path: Path) -> None:
+    """The shipped tokenizer parses (the Rust library, no code run) and every id it
+    makes has a row in the adapter's embedding and LM head."""
+    from tokenizers import Tokenizer
+
+    try:
+        size = Tokenizer.from_str(bytes(files["tokenizer.json"]).decode()).get_vocab_size(
+            with_added_tokens=True
+        )
+    except Exception as err:  # the library raises plain Exceptions for a bad file
+        raise AdapterError(f"tokenizer.json in {str(path)!r} cannot be read: {err}") from None
+    if size > vocab:
+        raise AdapterError(
+            f"the tokenizer in {str(path)!r} has {size} tokens, more than the {vocab} rows "
+            "of the adapter's saved embedding and LM head"
+        )
+
+
+def _build_tokenizer(files: dict[str, bytes | bytearray], path: Path) -> Any:
+    """The HF tokenizer of checked TOKENIZER_FILES: written to a private folder and
+    loaded from there as the engine loads a model's (platform/tokenizer.py)."""
+    import tempfile
+
+    from loraplex.platform.tokenizer import load_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="loraplex-adapter-tokenizer-") as folder:
+        for name, data in files.items():
+            Path(folder, name).write_bytes(data)
+        try:
+            return load_tokenizer(folder)
+        except (OSError, ValueError) as err:
+            raise AdapterError(f"the tokenizer in {str(path)!r} cannot be loaded: {err}") from None
 
 
 def _check_config_is_plain_lora(config: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from loraplex.adapters.peft_format import LoRAAdapter
+from loraplex.adapters.saved_modules import SavedModuleSlots
 from loraplex.kernels.backends import KernelBackend, get_backend
 from loraplex.kernels.lora import LoRAStack
 
@@ -52,9 +53,17 @@ class SlotStats:
 
 
 class LoRASlots:
-    def __init__(self, targets: LoRATargets, max_loras: int, max_rank: int, backend: str) -> None:
+    def __init__(
+        self,
+        targets: LoRATargets,
+        max_loras: int,
+        max_rank: int,
+        backend: str,
+        saved_modules_allowed: bool = True,
+    ) -> None:
         """`backend` names the kernel backend the model was built with (its stacks'
-        layout and LoRA kernels)."""
+        layout and LoRA kernels). `saved_modules_allowed` False (tensor parallelism):
+        adapters with `modules_to_save` are refused when written."""
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1 to allocate slots, got {max_loras}")
         self.targets = targets
@@ -66,6 +75,11 @@ class LoRASlots:
         kernels = get_backend(backend)
         for module in self.projections:
             module.enable_lora(max_loras, max_rank, kernels)
+        stack = self.projections[0].lora
+        self.saved = SavedModuleSlots(
+            max_loras, stack.a.dtype, stack.a.device, saved_modules_allowed
+        )
+        """Each slot's adapter's own embedding table and LM head (adapters/saved_modules.py)."""
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         """adapter key -> slot, least recently used first."""
         self._adapters: list[LoRAAdapter | None] = [None] * max_loras
@@ -76,7 +90,7 @@ class LoRASlots:
 
     @property
     def num_bytes(self) -> int:
-        return sum(module.lora.num_bytes for module in self.projections)
+        return sum(module.lora.num_bytes for module in self.projections) + self.saved.num_bytes
 
     @property
     def resident(self) -> list[LoRAAdapter]:
@@ -109,6 +123,8 @@ class LoRASlots:
         """Empties every slot (after a failed step, nothing in them is trusted)."""
         self._slot_of.clear()
         self._adapters = [None] * self.max_loras
+        for slot in range(self.max_loras):
+            self.saved.clear(slot)
         self._recent_loads = []
 
     def take_loads(self) -> list[tuple[int, LoRAAdapter]]:
@@ -139,6 +155,7 @@ class LoRASlots:
         for module in self.projections:
             module.lora.a[slot].zero_()
             module.lora.b[slot].zero_()
+        self.saved.write(slot, adapter)
         rank = adapter.rank
         for (layer, name), weights in adapter.modules.items():
             module, index = self.targets[(layer, name)]

@@ -2,8 +2,9 @@
 
     disk registry      name -> adapter folder (registered at runtime, or every subfolder
                        of `adapter_root` at start)
-    host LRU cache     up to `max_cpu_loras` validated adapters (`LoRAAdapter`) in memory:
-                       the one host LRU of a replica (the serving layer keeps none)
+    host LRU cache     up to `max_cpu_loras` validated adapters (`LoRAAdapter`) in memory,
+                       and up to `max_cpu_bytes` of them where set: the one host LRU of a
+                       replica (the serving layer keeps none)
     device slots       adapters/slots.py, filled by the model runner each step
 
 A copy loaded for the serving catalog carries the catalog's model id (`owner/name@version`,
@@ -58,8 +59,9 @@ ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 """The files of a PEFT LoRA adapter folder that loraplex reads."""
 
 Loader = Callable[..., LoRAAdapter]
-"""(folder, base arch, max rank, name[, root=...]) -> validated adapter;
-`load_peft_adapter` by default. `root` is passed only for contained loads."""
+"""(folder, base arch, max rank, name[, root=...][, max_vocab_size=...]) -> validated
+adapter; `load_peft_adapter` by default. `root` is passed only for contained loads,
+`max_vocab_size` only where the engine allows resized vocabularies."""
 CacheKey = tuple[Path, int | None]
 """(folder, catalog version or None)"""
 EvictionListener = Callable[[str], None]
@@ -98,9 +100,16 @@ class AdapterStore:
         root: str | Path | None = None,
         loader: Loader = load_peft_adapter,
         max_workers: int = 2,
+        max_vocab_size: int | None = None,
+        max_cpu_bytes: int | None = None,
     ) -> None:
+        """`max_cpu_loras` copies, and at most `max_cpu_bytes` of them (`num_bytes`:
+        LoRA pairs and saved modules) where set, stay in host memory; the newest copy
+        stays even when it alone is over the bytes."""
         self.arch = arch
         self.max_rank = max_rank
+        self.max_vocab_size = max_vocab_size
+        self.max_cpu_bytes = max_cpu_bytes
         self.max_cpu_loras = max_cpu_loras
         self.loader = loader
         self.stats = StoreStats()
@@ -260,10 +269,10 @@ class AdapterStore:
         folder = key[0]
         started = time.perf_counter()
         try:
-            if root is None:
-                adapter = self.loader(folder, self.arch, self.max_rank, name)
-            else:
-                adapter = self.loader(folder, self.arch, self.max_rank, name, root=root)
+            options = {} if root is None else {"root": root}
+            if self.max_vocab_size is not None:
+                options["max_vocab_size"] = self.max_vocab_size
+            adapter = self.loader(folder, self.arch, self.max_rank, name, **options)
         except Exception:
             with self._lock:
                 self.stats.failures += 1
@@ -276,7 +285,7 @@ class AdapterStore:
             self._cache[key] = (signature, adapter)  # replaces a changed unpinned copy
             self._cache.move_to_end(key)
             self.stats.load_seconds[key] = elapsed
-            while len(self._cache) > self.max_cpu_loras:
+            while len(self._cache) > self.max_cpu_loras or self._over_bytes():
                 evicted = next(iter(self._cache))
                 old, ids = self._drop(evicted)
                 dropped.append(ids)
@@ -327,6 +336,20 @@ class AdapterStore:
     def num_cached(self) -> int:
         with self._lock:
             return len(self._cache)
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory of the copies held (their tensors)."""
+        with self._lock:
+            return self._held_bytes()
+
+    def _held_bytes(self) -> int:
+        return sum(adapter.num_bytes for _, adapter in self._cache.values())
+
+    def _over_bytes(self) -> bool:
+        if self.max_cpu_bytes is None or len(self._cache) <= 1:
+            return False
+        return self._held_bytes() > self.max_cpu_bytes
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -44,6 +44,8 @@ class AdapterShape:
     arch: ModelArch
     max_rank: int
     lora_enabled: bool
+    max_vocab_size: int | None = None
+    """The engine's `max_adapter_vocab_size` (None: no resized vocabulary)."""
 
 
 class AdapterValidator:
@@ -96,7 +98,12 @@ class AdapterValidator:
         async with self._slots:
             try:
                 await asyncio.to_thread(
-                    validate_peft_adapter, folder, shape.arch, shape.max_rank, root
+                    validate_peft_adapter,
+                    folder,
+                    shape.arch,
+                    shape.max_rank,
+                    root,
+                    shape.max_vocab_size,
                 )
             except AdapterError as exc:
                 raise OpenAIError(400, f"adapter rejected: {exc}") from None

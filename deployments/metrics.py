@@ -117,6 +117,12 @@ class EngineMetrics:
             "Adapters held by the replica, per tier",
             (*keys, "tier"),
         )
+        self.resident_bytes = metrics.Gauge(
+            "loraplex_adapter_memory_bytes",
+            "Memory of the adapters a replica holds, per tier: host copies, and device "
+            "slots (LoRA stacks and saved embeddings / LM heads)",
+            (*keys, "tier"),
+        )
         self.spec = {
             f"spec_decode_{name}": metrics.Counter(
                 f"vllm_spec_decode_{name}_total", description, keys
@@ -175,6 +181,9 @@ class EngineMetrics:
         for tier, key in (("device", "lora_resident"), ("host", "lora_host_cached")):
             if key in stats:
                 self.resident.set(stats[key], {**self.tags, "tier": tier})
+        for tier, key in (("device", "lora_device_bytes"), ("host", "lora_host_bytes")):
+            if key in stats:
+                self.resident_bytes.set(stats[key], {**self.tags, "tier": tier})
         for key, value in stats.items():
             if key.startswith("spec_decode_"):
                 self._advance_spec(key, int(value))

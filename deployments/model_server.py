@@ -38,6 +38,7 @@ Its jobs:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -311,7 +312,9 @@ class ModelServer:
         """What an adapter must fit on this base model; the ingress validates
         registrations against it in its own process (adapter_validation.py)."""
         lora = self.config.engine_config().lora
-        return AdapterShape(self.engine.arch, lora.max_lora_rank, lora.max_loras > 0)
+        return AdapterShape(
+            self.engine.arch, lora.max_lora_rank, lora.max_loras > 0, lora.max_adapter_vocab_size
+        )
 
     def arm_failpoint(
         self,
@@ -452,7 +455,9 @@ class ModelServer:
         prompt_tokens = 0
         try:
             lora = await self._adapter_for_call()
-            prompt = self.engine.prompt_ids(call.prompt, call.messages, call.tools)
+            if lora is not None and lora.tokenizer is not None:
+                tracker.texts = TokenTexts(functools.partial(self.engine.detokenize, lora=lora))
+            prompt = self.engine.prompt_ids(call.prompt, call.messages, call.tools, lora)
             if call.embed:
                 fitted = fit_embedding(len(prompt), self.engine.limits, call.max_request_tokens)
             else:
@@ -479,7 +484,7 @@ class ModelServer:
                 prompt_tokens = step.prompt_tokens
                 yield step
             else:
-                echo_text = self._prompt_text(call.prompt, prompt) if call.echo else None
+                echo_text = self._prompt_text(call.prompt, prompt, lora) if call.echo else None
                 tool_format = self.engine.tool_call_format if call.tools else None
                 first = True
                 async for output in stream:
@@ -538,10 +543,12 @@ class ModelServer:
             elapsed,
         )
 
-    def _prompt_text(self, prompt: str | list[int] | None, ids: list[int]) -> str:
+    def _prompt_text(
+        self, prompt: str | list[int] | None, ids: list[int], lora: LoRAAdapter | None
+    ) -> str:
         if isinstance(prompt, str):
             return prompt
-        return self.engine.detokenize(ids)
+        return self.engine.detokenize(ids, lora)
 
     def tokenize(
         self,

@@ -455,13 +455,15 @@ class AsyncEngine:
         prompt: str | Sequence[int] | None,
         messages: list[dict] | None = None,
         tools: list[dict] | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> list[int]:
         """A prompt's token ids: text or ids as given, or chat messages and the tools
-        offered through the model's chat template (with the assistant's turn opened).
-        Ids are checked when the request is made (`generate`)."""
+        offered through the model's chat template (with the assistant's turn opened), in
+        `lora`'s tokenizer where it has its own. Ids are checked when the request is made
+        (`generate`)."""
         if messages is None:
-            return self.engine.tokenize(prompt if prompt is not None else "")
-        return apply_chat_template(self.engine.tokenizer, messages, tools=tools)
+            return self.engine.tokenize(prompt if prompt is not None else "", lora)
+        return apply_chat_template(self.engine.tokenizer_for(lora), messages, tools=tools)
 
     @property
     def tool_call_format(self) -> str | None:
@@ -481,10 +483,10 @@ class AsyncEngine:
             return encode_text(self.engine.tokenizer, prompt or "", add_special_tokens)
         return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt)
 
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of `token_ids` (special tokens kept); ValueError for ids outside the
-        vocabulary."""
-        return self.engine.detokenize(token_ids)
+    def detokenize(self, token_ids: Sequence[int], lora: LoRAAdapter | None = None) -> str:
+        """The text of `token_ids` (special tokens kept, in `lora`'s tokenizer where it
+        has its own); ValueError for ids outside the vocabulary."""
+        return self.engine.detokenize(token_ids, lora)
 
     def device_adapter_keys(self) -> set[bytes]:
         """Identity keys of the adapters now in the engine's LoRA slots."""

@@ -156,18 +156,30 @@ class LoRAConfig:
     adapters run at once; 0 disables LoRA). `max_lora_rank` sizes each slot; adapters of
     a higher rank are refused. `max_cpu_loras` adapters stay loaded in host memory (LRU).
     `adapter_root` is the folder whose subfolders are registered by name at start.
+    `max_cpu_lora_bytes` bounds their memory too (None: only their count): an adapter
+    that saves its own embedding and LM head (`modules_to_save`) costs their size.
+    `max_adapter_vocab_size` is the largest vocabulary those may have; None: the base's,
+    no resized vocabulary.
     """
 
     max_loras: int = 8
     max_lora_rank: int = 16
     max_cpu_loras: int = 64
     adapter_root: str | None = None
+    max_cpu_lora_bytes: int | None = None
+    max_adapter_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 1:
+            raise ValueError(f"max_cpu_lora_bytes must be >= 1, got {self.max_cpu_lora_bytes}")
+        if self.max_adapter_vocab_size is not None and self.max_adapter_vocab_size < 1:
+            raise ValueError(
+                f"max_adapter_vocab_size must be >= 1, got {self.max_adapter_vocab_size}"
+            )
         if self.max_cpu_loras < max(self.max_loras, 1):
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max(max_loras, 1) "

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -216,7 +217,12 @@ class LLMEngine:
         self.adapters: AdapterStore | None = None
         if lora.enabled:
             self.adapters = AdapterStore(
-                self.arch, lora.max_lora_rank, lora.max_cpu_loras, lora.adapter_root
+                self.arch,
+                lora.max_lora_rank,
+                lora.max_cpu_loras,
+                lora.adapter_root,
+                max_vocab_size=lora.max_adapter_vocab_size,
+                max_cpu_bytes=lora.max_cpu_lora_bytes,
             )
 
     def _log_ready(self, elapsed: float, lora_slots: LoRASlots | None) -> None:
@@ -359,19 +365,33 @@ class LLMEngine:
         return self._store().load(adapter)
 
     # ---- requests ------------------------------------------------------------------
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenizer_for(self, lora: LoRAAdapter | None) -> Any:
+        """The tokenizer of requests on `lora`: its own where it resized the vocabulary,
+        else the model's."""
+        if lora is not None and lora.tokenizer is not None:
+            return lora.tokenizer
+        return self.tokenizer
+
+    def vocab_size_for(self, lora: LoRAAdapter | None) -> int:
+        """The token ids requests on `lora` may hold: the model's vocabulary, or the
+        adapter's resized one."""
+        if lora is not None and lora.vocab_size is not None:
+            return lora.vocab_size
+        return self.arch.vocab_size
+
+    def tokenize(self, prompt: str | Sequence[int], lora: LoRAAdapter | None = None) -> list[int]:
         if isinstance(prompt, str):
-            return encode_text(self.tokenizer, prompt)
+            return encode_text(self.tokenizer_for(lora), prompt)
         return [int(t) for t in prompt]
 
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of `token_ids`, special tokens kept; ValueError for ids outside the
-        vocabulary."""
-        vocab = self.arch.vocab_size
+    def detokenize(self, token_ids: Sequence[int], lora: LoRAAdapter | None = None) -> str:
+        """The text of `token_ids` (in `lora`'s tokenizer where it has one), special
+        tokens kept; ValueError for ids outside the vocabulary."""
+        vocab = self.vocab_size_for(lora)
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        return self.tokenizer_for(lora).decode(list(token_ids), skip_special_tokens=False)
 
     def make_request_group(
         self,
@@ -395,18 +415,23 @@ class LLMEngine:
         `tenant` and `tenant_weight` are what the `fair` policy shares the engine by;
         `grammar` is `params.guided` compiled for `tenant` (`compile_grammar`; compiled
         here when None), each completion gets its own matcher over it."""
-        token_ids = self.tokenize(prompt)
+        token_ids = self.tokenize(prompt, lora)
         if not token_ids:
             raise ValueError("prompt is empty: it must contain at least one token")
         if embed:
             fit_embedding(len(token_ids), self.limits)
         else:
             fit_request(len(token_ids), params, self.limits)
-        vocab = self.arch.vocab_size
+        vocab = self.vocab_size_for(lora)
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        self._check_ids_in_vocab(params)
+        self._check_ids_in_vocab(params, vocab)
+        if params.guided is not None and vocab != self.arch.vocab_size:
+            raise ValueError(
+                f"structured output is not served on adapter {lora.name!r}: it resizes the "
+                f"vocabulary to {vocab} tokens"
+            )
         if not tenant_weight > 0:
             raise ValueError(f"tenant_weight must be > 0, got {tenant_weight}")
         salt = cache_salt.encode() if cache_salt is not None else None
@@ -459,9 +484,8 @@ class LLMEngine:
         """What this engine can hold (platform/request_limits.py fits requests to it)."""
         return EngineLimits(self.max_model_len, self.num_blocks, self.config.cache.block_size)
 
-    def _check_ids_in_vocab(self, params: SamplingParams) -> None:
-        """ValueError unless the model's vocabulary has every token id `params` name."""
-        vocab = self.arch.vocab_size
+    def _check_ids_in_vocab(self, params: SamplingParams, vocab: int) -> None:
+        """ValueError unless a vocabulary of `vocab` tokens has every id `params` name."""
         if params.top_k > vocab:
             raise ValueError(
                 f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}"
@@ -713,6 +737,8 @@ class LLMEngine:
                 lora_slot_loads=slots.stats.loads,
                 lora_slot_evictions=slots.stats.evictions,
                 lora_host_cached=self.adapters.num_cached,
+                lora_device_bytes=slots.num_bytes,
+                lora_host_bytes=self.adapters.held_bytes,
                 lora_host_loads=self.adapters.stats.loads,
                 lora_host_evictions=self.adapters.stats.evictions,
             )

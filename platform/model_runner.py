@@ -237,6 +237,8 @@ class ModelRunner:
             request = item.request
             if request.pooling is not None:
                 return False
+            if request.lora is not None and request.lora.saved_modules:
+                return False
             if positions_to_score(request, request.num_computed_tokens, item.num_tokens):
                 return False
             if len(item.block_ids) > self.graphs.max_blocks:
@@ -310,16 +312,30 @@ class ModelRunner:
         )
         sample = None
         if inputs.sample_rows.numel():
-            sample = self.model.compute_logits(hidden[inputs.sample_rows])
+            sample = self._logits(hidden, inputs.sample_rows, inputs.lora)
         prompt = None
         if inputs.prompt_rows is not None:
-            prompt = score_rows(self.model.compute_logits, hidden, inputs.prompt_rows)
+            prompt = score_rows(
+                lambda index: self._logits(hidden, index, inputs.lora), inputs.prompt_rows
+            )
         pooled = None
         if inputs.pool_rows is not None:
             pool = inputs.pool_rows
             pooled = hidden.new_zeros(pool.count, hidden.shape[-1], dtype=torch.float32)
             pooled.index_add_(0, pool.owners, hidden[pool.rows].float())
         return StepLogits(sample, prompt, pooled)
+
+    def _logits(
+        self, hidden: torch.Tensor, index: torch.Tensor, lora: LoRABatch | None
+    ) -> torch.Tensor:
+        """float32 logits of the step's token rows `index` [R]: through the LM head of
+        the adapter a row's slot holds, where it saved one (adapters/saved_modules.py),
+        else the base model's."""
+        rows = hidden[index]
+        saved = self.lora_slots.saved if self.lora_slots is not None else None
+        if lora is None or saved is None or not saved.has_heads:
+            return self.model.compute_logits(rows)
+        return saved.logits(rows, lora.token_slots[index], self.model.compute_logits)
 
     def decode_logits(
         self,

@@ -50,9 +50,12 @@ class OutputProcessor:
         self._groups: dict[str, _Group] = {}
 
     def add(self, group: list[Request]) -> None:
+        """Tracks a request group's text, in its adapter's tokenizer where it has its own
+        (a resized vocabulary), else the model's."""
+        lora = group[0].lora
+        tokenizer = lora.tokenizer if lora is not None and lora.tokenizer else self.tokenizer
         detokenizers = [
-            IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, r.sampling_params)
-            for r in group
+            IncrementalDetokenizer(tokenizer, r.prompt_token_ids, r.sampling_params) for r in group
         ]
         self._groups[group[0].group_id] = _Group(group, detokenizers)
 

@@ -69,17 +69,16 @@ def positions_to_score(request: Request, start: int, num_tokens: int) -> range:
 
 def score_rows(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    hidden: torch.Tensor,
     rows: PromptRows,
 ) -> PromptScores:
-    """Scores `rows` of the step's `hidden[T, H]` slice by slice; `compute_logits` maps
-    hidden rows [S, H] to float32 logits [S, vocab]."""
+    """Scores `rows` of the step's tokens slice by slice; `compute_logits` maps an index
+    [S] into the step's tokens to their float32 logits [S, vocab]."""
     parts = []
     width = max(rows.top_k, 1)
     for begin in range(0, rows.rows.numel(), LOGITS_ROWS_PER_SLICE):
         index = rows.rows[begin : begin + LOGITS_ROWS_PER_SLICE]
         targets = rows.targets[begin : begin + LOGITS_ROWS_PER_SLICE]
-        logits = compute_logits(hidden[index]).float()
+        logits = compute_logits(index).float()
         finite = torch.isfinite(logits.amax(dim=-1))
         logprobs = logits.log_softmax(dim=-1)
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)

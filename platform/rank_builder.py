@@ -51,5 +51,12 @@ def build_rank(
     )
     slots = None
     if spec.max_loras > 0:
-        slots = LoRASlots(model.lora_targets(), spec.max_loras, spec.max_lora_rank, spec.kernels)
+        slots = LoRASlots(
+            model.lora_targets(),
+            spec.max_loras,
+            spec.max_lora_rank,
+            spec.kernels,
+            saved_modules_allowed=not layout.sharded,
+        )
+        model.saved_modules = slots.saved
     return ModelRunner(model, kv_caches, spec.block_size, device, slots, followers)

@@ -248,13 +248,21 @@ def make_peft_adapter(
     rank_pattern: dict[str, int] | None = None,
     alpha_pattern: dict[str, float] | None = None,
     std: float = 0.05,
+    modules_to_save: tuple[str, ...] = (),
+    vocab_size: int | None = None,
 ) -> Path:
     """Saves a real PEFT LoRA adapter for the HF model in `base_folder` with seeded random
-    A and B (PEFT starts B at zero, which would make the adapter a no-op)."""
+    A and B (PEFT starts B at zero, which would make the adapter a no-op). With
+    `modules_to_save` ('lm_head', 'embed_tokens') the adapter also saves its own copies
+    of those matrices, perturbed by seeded noise; `vocab_size` resizes the base's
+    vocabulary first (new rows random too) and saves a tokenizer of that many words
+    beside the adapter."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    if vocab_size is not None:
+        base.resize_token_embeddings(vocab_size, mean_resizing=False)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
@@ -263,6 +271,7 @@ def make_peft_adapter(
         use_rslora=use_rslora,
         rank_pattern=rank_pattern or {},
         alpha_pattern=alpha_pattern or {},
+        modules_to_save=list(modules_to_save) or None,
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, config)
@@ -271,11 +280,42 @@ def make_peft_adapter(
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
+            elif "modules_to_save" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.08)
     model.save_pretrained(out_folder)
+    if vocab_size is not None:
+        save_tiny_tokenizer(out_folder, vocab_size)
     return out_folder
+
+
+def load_peft_oracle(base_folder: Path, adapter_folder: Path | None):
+    """The oracle: PEFT's unmerged adapter (or the bare base) on HF transformers, in
+    eval mode; the base's vocabulary resized first to the adapter's saved modules'."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    if adapter_folder is not None:
+        with safe_open(str(adapter_folder / "adapter_model.safetensors"), "pt") as weights:
+            rows = [
+                weights.get_slice(name).get_shape()[0]
+                for name in weights.keys()  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith(("lm_head.weight", "embed_tokens.weight"))
+            ]
+        if rows and rows[0] != model.config.vocab_size:
+            model.resize_token_embeddings(rows[0], mean_resizing=False)
+        model = PeftModel.from_pretrained(model, adapter_folder)
+    return model.eval()
 
 
 @pytest.fixture(scope="session")
 def peft_adapter_factory():
     """`make_peft_adapter` as a fixture (test modules can't import a conftest by name)."""
     return make_peft_adapter
+
+
+@pytest.fixture(scope="session")
+def peft_oracle():
+    """`load_peft_oracle` as a fixture."""
+    return load_peft_oracle

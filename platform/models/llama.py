@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ from loraplex.platform.layers.rotary import RotaryEmbedding
 from loraplex.platform.models.weights import WeightTarget, load_checkpoint
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout, split
+
+if TYPE_CHECKING:
+    from loraplex.adapters.saved_modules import SavedModuleSlots
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +192,9 @@ class LlamaForCausalLM(nn.Module):
             arch.head_dim, arch.max_position_embeddings, arch.rope, device
         )
         self.packed_lm_head: PackedWeight | None = None
+        self.saved_modules: SavedModuleSlots | None = None
+        """The LoRA slots' own embedding tables (adapters/saved_modules.py), set by
+        the rank's builder when LoRA is on."""
         if arch.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
@@ -205,13 +212,22 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]. `lora` says
         which adapter slot each token uses (None: every token runs the base model)."""
-        hidden = self._embed(input_ids)
+        saved = self.saved_modules
+        if lora is not None and saved is not None and saved.has_embeddings:
+            hidden = saved.embed(input_ids, lora, self._embed_base_vocabulary)
+        else:
+            hidden = self._embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, lora)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _embed_base_vocabulary(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`_embed` of ids clamped to the base's vocabulary: the ids past it belong to
+        adapters with a resized table, which replaces these rows."""
+        return self._embed(input_ids.clamp(max=self.arch.vocab_size - 1))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: ids outside this rank's rows give zeros, and the

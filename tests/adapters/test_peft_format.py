@@ -40,18 +40,18 @@ PATTERNS = dict(
 )
 
 
-def load_checked(path, arch, max_rank, name=None, root=None):
+def load_checked(path, arch, max_rank, name=None, root=None, max_vocab_size=None):
     """The engine's `load_peft_adapter`, once the ingress's `validate_peft_adapter`
     (numpy, no torch) is seen to refuse exactly what it refuses, with the same message:
     every test here checks both."""
     try:
-        validate_peft_adapter(path, arch, max_rank, root)
+        validate_peft_adapter(path, arch, max_rank, root, max_vocab_size)
     except AdapterError as refused:
         with pytest.raises(AdapterError) as loaded:
-            engine_load(path, arch, max_rank, name, root)
+            engine_load(path, arch, max_rank, name, root, max_vocab_size)
         assert str(loaded.value) == str(refused)
         raise
-    return engine_load(path, arch, max_rank, name, root)
+    return engine_load(path, arch, max_rank, name, root, max_vocab_size)
 
 
 @pytest.fixture(scope="session")
@@ -331,7 +331,8 @@ def test_dora_saved_by_peft(base, arch, tmp_path):
         ("bias", "all"),
         ("bias", "lora_only"),
         ("lora_bias", True),
-        ("modules_to_save", ["lm_head"]),
+        ("modules_to_save", ["score"]),
+        ("modules_to_save", "lm_head"),
         ("use_qalora", True),
         ("alora_invocation_tokens", [5, 6]),
         ("trainable_token_indices", [0, 1]),
@@ -969,3 +970,136 @@ def test_any_config_loads_finite_or_is_refused(changes, fuzz_folder, adapters, a
             assert torch.isfinite(weights.a).all() and torch.isfinite(weights.b).all()
             assert math.isfinite(weights.scaling)
     assert time.monotonic() - started < 1.0
+
+
+# --- modules_to_save: the adapter's own lm_head and embed_tokens ------------------------
+
+EMBED = "base_model.model.model.embed_tokens.weight"
+HEAD = "base_model.model.lm_head.weight"
+
+
+@pytest.fixture(scope="session")
+def saved_adapters(make_peft_adapter, base, tmp_path_factory) -> dict[str, Path]:
+    """Real PEFT adapters with saved modules: both at the base's vocabulary, and both
+    over a vocabulary resized to 520 (with its tokenizer)."""
+    root = tmp_path_factory.mktemp("saved-modules")
+    both = ("lm_head", "embed_tokens")
+    return {
+        "both": make_peft_adapter(base, root / "both", modules_to_save=both, seed=5),
+        "resized": make_peft_adapter(
+            base, root / "resized", modules_to_save=both, vocab_size=520, seed=6
+        ),
+    }
+
+
+@pytest.fixture
+def saved_copy(saved_adapters, tmp_path) -> Path:
+    return Path(shutil.copytree(saved_adapters["both"], tmp_path / "saved"))
+
+
+@pytest.fixture
+def resized_copy(saved_adapters, tmp_path) -> Path:
+    return Path(shutil.copytree(saved_adapters["resized"], tmp_path / "resized"))
+
+
+def test_saved_modules_load_as_peft_saved_them(saved_adapters, arch):
+    adapter = load_checked(saved_adapters["both"], arch, max_rank=8)
+    stored = load_file(saved_adapters["both"] / "adapter_model.safetensors")
+    assert set(adapter.saved_modules) == {"lm_head", "embed_tokens"}
+    assert torch.equal(adapter.saved_modules["lm_head"], stored[HEAD])
+    assert torch.equal(adapter.saved_modules["embed_tokens"], stored[EMBED])
+    assert adapter.vocab_size == arch.vocab_size and adapter.tokenizer is None
+    pairs = sum(t.numel() * 4 for m in adapter.modules.values() for t in (m.a, m.b))
+    assert adapter.num_bytes == pairs + 2 * arch.vocab_size * arch.hidden_size * 4
+
+
+def test_a_resized_vocabulary_loads_within_the_cap_with_its_tokenizer(saved_adapters, arch):
+    folder = saved_adapters["resized"]
+    with pytest.raises(AdapterError, match=r"vocabulary of 520 tokens; this model serves 512"):
+        load_checked(folder, arch, max_rank=8)
+    with pytest.raises(AdapterError, match=r"serves 512 to 516"):
+        load_checked(folder, arch, max_rank=8, max_vocab_size=516)
+    adapter = load_checked(folder, arch, max_rank=8, max_vocab_size=520)
+    assert adapter.vocab_size == 520
+    assert adapter.tokenizer.decode([519]) == "w519"
+
+
+def test_a_saved_module_key_changes_with_its_values(saved_copy, saved_adapters, arch):
+    before = load_checked(saved_adapters["both"], arch, max_rank=8).key
+    edit_tensors(saved_copy, lambda t: t[HEAD].__setitem__((3, 5), t[HEAD][3, 5] + 1.0))
+    assert load_checked(saved_copy, arch, max_rank=8).key != before
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda f: edit_tensors(
+                f, lambda t: t.__setitem__(f"{HEAD[:-7]}.modules_to_save.weight", t[HEAD] + 1)
+            ),
+            "modules_to_save.weight' does not repeat",
+        ),
+        (
+            lambda f: edit_tensors(f, lambda t: t.__setitem__(HEAD, t[HEAD][:, :8].clone())),
+            r"shape \[512, 8\], expected \[vocab, 64\]",
+        ),
+        (
+            lambda f: edit_tensors(f, lambda t: t.__setitem__(HEAD, t[HEAD][:500].clone())),
+            "different vocabularies",
+        ),
+        (
+            lambda f: edit_tensors(
+                f, lambda t: [t.__setitem__(k, t[k][:500].clone()) for k in (HEAD, EMBED)]
+            ),
+            "vocabulary of 500 tokens",
+        ),
+        (
+            lambda f: edit_tensors(f, lambda t: t[EMBED].__setitem__((0, 0), math.nan)),
+            "embed_tokens.weight' contains NaN",
+        ),
+        (
+            lambda f: edit_tensors(f, lambda t: t.__setitem__(HEAD, t[HEAD].to(torch.int32))),
+            "lm_head.weight' has dtype torch.int32",
+        ),
+    ],
+    ids=["copy", "hidden", "mismatched", "smaller", "nan", "int"],
+)
+def test_broken_saved_modules_are_refused(edit, message, saved_copy, arch):
+    edit(saved_copy)
+    with pytest.raises(AdapterError, match=message):
+        load_checked(saved_copy, arch, max_rank=8, max_vocab_size=600)
+
+
+def test_a_resized_vocabulary_needs_both_modules_and_a_fitting_tokenizer(resized_copy, arch):
+    edit_tensors(resized_copy, lambda t: [t.pop(k) for k in list(t) if "embed_tokens" in k])
+    edit_config(resized_copy, modules_to_save=["lm_head"])
+    with pytest.raises(AdapterError, match="needs the adapter's own embed_tokens and lm_head"):
+        load_checked(resized_copy, arch, max_rank=8, max_vocab_size=520)
+
+
+def test_a_resized_vocabulary_without_a_fitting_tokenizer_is_refused(
+    resized_copy, base, tmp_path, arch
+):
+    tokenizer = resized_copy / "tokenizer.json"
+    kept = tokenizer.read_bytes()
+    tokenizer.unlink()
+    with pytest.raises(AdapterError, match="ships no tokenizer.json"):
+        load_checked(resized_copy, arch, max_rank=8, max_vocab_size=520)
+    tokenizer.write_bytes(b"{not json")
+    with pytest.raises(AdapterError, match="tokenizer.json .* cannot be read"):
+        load_checked(resized_copy, arch, max_rank=8, max_vocab_size=520)
+    tokenizer.write_bytes(kept)
+    edit_tensors(
+        resized_copy, lambda t: [t.__setitem__(k, t[k][:516].clone()) for k in t if "lora" not in k]
+    )
+    with pytest.raises(AdapterError, match="has 520 tokens, more than the 516 rows"):
+        load_checked(resized_copy, arch, max_rank=8, max_vocab_size=520)
+
+
+def test_a_linked_tokenizer_is_refused_under_a_root(resized_copy, saved_adapters, arch):
+    """Another folder's tokenizer reached by a link is never read for a tenant."""
+    tokenizer = resized_copy / "tokenizer.json"
+    tokenizer.unlink()
+    tokenizer.symlink_to(saved_adapters["resized"] / "tokenizer.json")
+    with pytest.raises(AdapterError, match="cannot read tokenizer.json"):
+        load_checked(resized_copy, arch, max_rank=8, root=resized_copy.parent, max_vocab_size=520)

@@ -74,6 +74,25 @@ def test_host_cache_is_lru_with_counts(base, folders):
     assert set(store.stats.load_seconds) == {(folders["alpha"], None), (folders["beta"], None)}
 
 
+def test_host_bytes_bound_counts_saved_modules(base, folders, tmp_path, peft_adapter_factory):
+    """With `max_cpu_bytes`, a copy's cost is its tensors: an adapter that saves its own
+    LM head costs as much as several plain ones, and evicts them."""
+    heavy = peft_adapter_factory(base, tmp_path / "heavy", modules_to_save=("lm_head",))
+    plain = load_peft_adapter(folders["alpha"], ModelArch.from_folder(base), 16).num_bytes
+    store = make_store(base, max_cpu_loras=8, max_cpu_bytes=3 * plain)
+    for name, folder in {**folders, "heavy": heavy}.items():
+        store.register(name, folder)
+    for name in ("alpha", "beta", "gamma"):
+        store.load(name)
+    assert store.num_cached == 3 and store.held_bytes == 3 * plain
+    adapter = store.load("heavy")
+    assert adapter.num_bytes > 3 * plain
+    assert store.num_cached == 1 and store.held_bytes == adapter.num_bytes
+    assert store.stats.evictions == 3
+    store.load("alpha")
+    assert store.num_cached == 1 and store.held_bytes == plain
+
+
 def test_files_rewritten_in_place_are_reloaded_with_a_new_identity(
     base, folders, tmp_path, peft_adapter_factory
 ):

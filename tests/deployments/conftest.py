@@ -1,6 +1,7 @@
 """One real Ray Serve app for the whole test session (starting one costs ~15 s).
 
-The app serves four tiny base models: `tiny` (Llama, with three shared adapters),
+The app serves four tiny base models: `tiny` (Llama, with three shared adapters, and
+adapters' vocabularies resized up to 520 tokens allowed),
 `tiny-tight` (the same weights and one adapter, with a KV cache of 24 blocks: running
 requests get preempted), `tiny-bytes` (Llama with a byte-level tokenizer that can spell
 JSON and a Hermes-style chat template, 1024 tokens of context, and its adapter `sj`:
@@ -110,7 +111,12 @@ def serve_setup(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
             {
                 "name": "tiny",
                 "model": str(base),
-                "engine": {**engine, "max_cpu_loras": 8, "kv_cache_memory_bytes": 1 << 26},
+                "engine": {
+                    **engine,
+                    "max_cpu_loras": 8,
+                    "kv_cache_memory_bytes": 1 << 26,
+                    "max_adapter_vocab_size": 520,
+                },
                 "adapters": {name: str(folder) for name, folder in shared.items()},
                 "server": {"num_cpus": 0.1},
                 "stream_messages_per_step": 4,

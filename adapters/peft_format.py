@@ -641,17 +641,19 @@ def _check_tokenizer_fits(files: dict[str, bytes | bytearray], vocab: int, path:
 
 def _build_tokenizer(files: dict[str, bytes | bytearray], path: Path) -> Any:
     """The HF tokenizer of checked TOKENIZER_FILES: written to a private folder and
-    loaded from there as the engine loads a model's (platform/tokenizer.py)."""
+    loaded from there, from local files, running no code the folder ships."""
     import tempfile
 
-    from loraplex.platform.tokenizer import load_tokenizer
+    from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory(prefix="loraplex-adapter-tokenizer-") as folder:
         for name, data in files.items():
             Path(folder, name).write_bytes(data)
         try:
-            return load_tokenizer(folder)
-        except (OSError, ValueError) as err:
+            return AutoTokenizer.from_pretrained(
+                folder, local_files_only=True, trust_remote_code=False
+            )
+        except (OSError, ValueError, KeyError) as err:
             raise AdapterError(f"the tokenizer in {str(path)!r} cannot be loaded: {err}") from None
 
 

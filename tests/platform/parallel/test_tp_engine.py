@@ -188,3 +188,25 @@ def test_unschedulable_worker_is_a_clear_error(ray_cluster, tiny_model_factory):
     base = tiny_model_factory("llama")
     with pytest.raises(RuntimeError, match="did not start within 3s.*64 CPU"):
         LLM(str(base), tensor_parallel_size=2, worker_num_cpus=64, distributed_timeout_s=3)
+
+
+def test_saved_modules_are_refused_under_tensor_parallelism(
+    ray_cluster, tiny_model_factory, peft_adapter_factory, tmp_path
+):
+    """An adapter with its own LM head (`modules_to_save`) fails its own request with a
+    client fault naming tensor parallelism (the ranks hold vocabulary shards); the base
+    request beside it is served."""
+    base = tiny_model_factory("llama")
+    folder = peft_adapter_factory(base, tmp_path / "own-head", modules_to_save=("lm_head",))
+    llm = LLM(
+        str(base), tensor_parallel_size=2, max_model_len=128, kv_cache_memory_bytes=16 * 2**20
+    )
+    try:
+        llm.register_adapter("own-head", str(folder))
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        served, refused = llm.generate([[1, 2, 3]] * 2, params, adapters=[None, "own-head"])
+        assert served.error is None and len(served.token_ids) == 4
+        assert refused.error is not None and refused.error.client_fault
+        assert "tensor parallelism" in refused.error.message
+    finally:
+        llm.engine.shutdown()

@@ -175,3 +175,27 @@ def lora_add(
     tokens of one slot are processed in runs that share each A row and B column."""
     ranks = slot_ranks if slot_ranks is not None else token_slots.new_empty(0)
     ops().lora_add(out, x, lora_a, lora_b, token_slots, ranks, num_slices)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: per row t of x [T, K] (contiguous), a = max_k |x[t, k]| / 127 (1 where
+    that is 0) and q[t] = round(x[t] / a) in [-127, 127], in fp32 -> (q [T, K] int8,
+    a [T, 1] float32). As kernels/int8_matmul.py's torch path."""
+    quantized = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(x.shape[0], 1, dtype=torch.float32)
+    ops().quantize_rows_int8(x, quantized, scales)
+    return quantized, scales
+
+
+def dequantize_int32(
+    acc: torch.Tensor,
+    row_scales: torch.Tensor,
+    col_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Semantics: dtype(float(acc) * row_scales * col_scales) (+ bias in `dtype`): acc
+    [T, N] int32, row_scales [T, 1] and col_scales [N] float32, bias [N] -> [T, N]."""
+    out = torch.empty(acc.shape, dtype=dtype)
+    ops().dequantize_int32(acc, row_scales, col_scales, bias, out)
+    return out

@@ -50,6 +50,10 @@ def parse_dtype_option(dtype: str | torch.dtype) -> str:
     return dtype_name(dtype)
 
 
+QUANTIZATIONS = {"int8": "dynamic", "int8_weight_only": "weight_only"}
+"""`quantization` option -> the int8 projections' mode (kernels/int8_matmul.py)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to run and how.
@@ -67,6 +71,10 @@ class ModelConfig:
     would compute on one core while the offline one uses all.) On a GPU, decode steps
     replay CUDA graphs captured when the engine starts (platform/decode_graphs.py);
     `enforce_eager` runs every step eagerly instead.
+    `quantization` (CPU): 'int8' holds the decoder layers' projections as int8 per
+    output channel and multiplies them with activations quantized per token (W8A8,
+    dynamic); 'int8_weight_only' keeps the activations in bf16. The embedding table,
+    the LM head and LoRA adapters stay in `dtype` (kernels/int8_matmul.py).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -76,8 +84,14 @@ class ModelConfig:
     seed: int = 0
     num_threads: int | None = None
     enforce_eager: bool = False
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {tuple(QUANTIZATIONS)} or None, "
+                f"got {self.quantization!r}"
+            )
         if not isinstance(self.dtype, str):
             dtype_name(self.dtype)  # a torch dtype the engine computes in, or ValueError
         elif self.dtype != AUTO_DTYPE and self.dtype not in DTYPE_NAMES:

@@ -27,7 +27,7 @@ from loraplex.kernels.selection import kernel_backend
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.block_pool import BlockPool
 from loraplex.platform.compute_threads import default_compute_threads, use_compute_threads
-from loraplex.platform.config import EngineConfig
+from loraplex.platform.config import QUANTIZATIONS, EngineConfig
 from loraplex.platform.cpu_allocator import keep_freed_memory, release_freed_memory
 from loraplex.platform.decode_graphs import BUCKETS, DecodeGraphs, graph_memory_estimate
 from loraplex.platform.dtype_choice import resolve_dtype
@@ -157,6 +157,7 @@ class LLMEngine:
             block_size=config.cache.block_size,
             max_loras=config.lora.max_loras,
             max_lora_rank=config.lora.max_lora_rank,
+            quantization=QUANTIZATIONS.get(config.model.quantization or ""),
         )
         self.workers: TPWorkers | None = None
         if tp_size > 1:

@@ -32,6 +32,8 @@ class RankSpec:
     max_loras: int
     """Adapter slots; 0: LoRA off, no slots."""
     max_lora_rank: int
+    quantization: str | None = None
+    """The projections' int8 mode ('dynamic', 'weight_only'; None: `dtype`)."""
 
 
 def build_rank(
@@ -44,7 +46,9 @@ def build_rank(
     several ranks), allocates its KV cache and LoRA slots, and returns the runner over
     them; `followers` (rank 0 of several ranks) get each step's inputs."""
     device = torch.device(spec.device)
-    model, arch = load_model(Path(spec.folder), spec.dtype, device, spec.kernels, rank, group)
+    model, arch = load_model(
+        Path(spec.folder), spec.dtype, device, spec.kernels, rank, group, spec.quantization
+    )
     layout = TPLayout.create(arch, rank, group.size if group is not None else 1)
     kv_caches = allocate_kv_caches(
         arch, spec.num_blocks, spec.block_size, spec.dtype, device, layout.num_kv_heads

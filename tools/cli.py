@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     offline.add_argument("--max-num-seqs", type=int, default=None, help="engine batch limit")
     offline.add_argument(
+        "--quantization",
+        choices=["int8", "int8_weight_only"],
+        default=None,
+        help="the projections in int8 (CPU; platform/config.py ModelConfig)",
+    )
+    offline.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="engine per-step token budget"
     )
     offline.add_argument(
@@ -225,6 +231,7 @@ def run_bench_offline(args: argparse.Namespace) -> int:
             ("max_num_seqs", args.max_num_seqs),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("max_loras", args.max_loras),
+            ("quantization", args.quantization),
         )
         if value is not None
     }

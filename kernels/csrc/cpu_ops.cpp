@@ -867,6 +867,128 @@ void lora_add(Tensor out, const Tensor& x, const Tensor& lora_a, const Tensor& l
   });
 }
 
+// ---------------------------------------------------------------- int8 projections
+
+// One row: a = max |x| / 127 (1 if 0), q = round-half-even(x / a) in [-127, 127].
+// Rounding adds and subtracts 1.5 * 2^23, which rounds any |value| < 2^22 to an
+// integer in the default rounding mode (|x / a| <= 127 here) without a libm call.
+template <typename T>
+inline float quantize_row_int8(const T* x, int8_t* q, int64_t width) {
+  constexpr float kRound = 12582912.0f;
+  int64_t i = 0;
+  float peak = 0.0f;
+#if defined(__AVX512F__)
+  __m512 peaks = _mm512_setzero_ps();
+  for (; i + 16 <= width; i += 16) peaks = _mm512_max_ps(peaks, _mm512_abs_ps(load16(x + i)));
+  peak = _mm512_reduce_max_ps(peaks);
+#endif
+  for (int64_t j = i; j < width; ++j) peak = std::max(peak, std::fabs(load_f(x + j)));
+  float scale = peak / 127.0f;
+  if (!(scale > 0.0f)) scale = 1.0f;
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 scales = _mm512_set1_ps(scale), rounder = _mm512_set1_ps(kRound);
+  const __m512 top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+  for (; i + 16 <= width; i += 16) {
+    __m512 r = _mm512_div_ps(load16(x + i), scales);
+    r = _mm512_sub_ps(_mm512_add_ps(r, rounder), rounder);
+    r = _mm512_min_ps(top, _mm512_max_ps(bottom, r));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+  }
+#endif
+  for (int64_t j = i; j < width; ++j) {
+    const float r = (load_f(x + j) / scale + kRound) - kRound;
+    q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+  }
+  return scale;
+}
+
+template <typename T>
+void quantize_rows_int8_kernel(const Tensor& x, Tensor& out, Tensor& scales) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const T* x_data = x.data_ptr<T>();
+  int8_t* q_data = out.data_ptr<int8_t>();
+  float* scale_data = scales.data_ptr<float>();
+  at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      scale_data[row] =
+          quantize_row_int8(x_data + row * width, q_data + row * width, width);
+    }
+  });
+}
+
+// Semantics: per row t of x [T, K] (contiguous): a = max_k |x[t, k]| / 127 (1 if that
+// is 0), q[t, k] = round-half-even(x[t, k] / a) clamped to [-127, 127]; writes q into
+// `out` [T, K] int8 and a into `scales` [T, 1] float32 (kernels/int8_matmul.py's
+// torch path, in fp32).
+void quantize_rows_int8(const Tensor& x, Tensor& out, Tensor& scales) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, K] tensor");
+  TORCH_CHECK(out.scalar_type() == at::kChar && out.is_contiguous() &&
+                  out.sizes() == x.sizes(), "out must be a contiguous int8 tensor of x's shape");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == x.size(0), "scales must be a contiguous [T, 1] float32");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_int8", [&] {
+    quantize_rows_int8_kernel<scalar_t>(x, out, scales);
+  });
+}
+
+template <typename T>
+void dequantize_int32_kernel(const Tensor& acc, const Tensor& row_scales,
+                             const Tensor& col_scales, const Tensor& bias, bool has_bias,
+                             Tensor& out) {
+  const int64_t rows = acc.size(0), width = acc.size(1);
+  const int32_t* acc_data = acc.data_ptr<int32_t>();
+  const float* row_data = row_scales.data_ptr<float>();
+  const float* col_data = col_scales.data_ptr<float>();
+  const T* bias_data = has_bias ? bias.data_ptr<T>() : nullptr;
+  T* out_data = out.data_ptr<T>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int32_t* a = acc_data + row * width;
+      T* o = out_data + row * width;
+      const float rs = row_data[row];
+      if (has_bias) {
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) {
+          const float v = static_cast<float>(a[i]) * rs * col_data[i];
+          store_f(o + i, round_to<T>(v) + load_f(bias_data + i));
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) {
+          store_f(o + i, static_cast<float>(a[i]) * rs * col_data[i]);
+        }
+      }
+    }
+  });
+}
+
+// Semantics: out[t, n] = dtype(float(acc[t, n]) * row_scales[t] * col_scales[n]), then
+// + bias[n] in the dtype when given. acc [T, N] int32, row_scales [T, 1] and
+// col_scales [N] float32, bias [N] and out [T, N] in the output dtype (contiguous).
+void dequantize_int32(const Tensor& acc, const Tensor& row_scales, const Tensor& col_scales,
+                      const c10::optional<Tensor>& bias, Tensor& out) {
+  check_cpu(acc, "acc");
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt,
+              "acc must be a contiguous [T, N] int32 tensor");
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.is_contiguous() &&
+                  row_scales.numel() == acc.size(0), "row_scales must be [T, 1] float32");
+  TORCH_CHECK(col_scales.scalar_type() == at::kFloat && col_scales.is_contiguous() &&
+                  col_scales.numel() == acc.size(1), "col_scales must be [N] float32");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == acc.sizes(), "out must match acc");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == acc.size(1) &&
+                    bias->scalar_type() == out.scalar_type(), "bias must be [N] in out's dtype");
+  }
+  const Tensor bias_tensor = has_bias ? *bias : Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int32", [&] {
+    dequantize_int32_kernel<scalar_t>(acc, row_scales, col_scales, bias_tensor, has_bias, out);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loraplex_cpu, m) {
@@ -879,6 +1001,9 @@ TORCH_LIBRARY(loraplex_cpu, m) {
         "Tensor(c!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, "
         "Tensor token_slots, Tensor slot_ranks, int num_slices) -> ()");
+  m.def("quantize_rows_int8(Tensor x, Tensor(a!) out, Tensor(b!) scales) -> ()");
+  m.def("dequantize_int32(Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias, "
+        "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
@@ -887,4 +1012,6 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("lora_add", &lora_add);
+  m.impl("quantize_rows_int8", &quantize_rows_int8);
+  m.impl("dequantize_int32", &dequantize_int32);
 }

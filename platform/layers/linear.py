@@ -17,6 +17,7 @@ from torch import nn
 
 from loraplex.kernels.backends import KernelBackend
 from loraplex.kernels.cpu_matmul import PackedWeight, linear
+from loraplex.kernels.int8_matmul import Int8Weight
 from loraplex.kernels.lora import LoRABatch, LoRAStack
 from loraplex.platform.parallel.group import TPGroup
 
@@ -63,8 +64,9 @@ class MergedLinear(nn.Module):
         self.lora: LoRAStack | None = None
         self.lora_kernels: KernelBackend | None = None
         """The backend that allocated `lora` and adds its deltas."""
-        self.packed: PackedWeight | None = None
-        """oneDNN copy of `weight` (CPU), made by `pack` once the weights are loaded."""
+        self.packed: PackedWeight | Int8Weight | None = None
+        """oneDNN copy of `weight` (CPU), made by `pack` once the weights are loaded, or
+        its int8 form (`quantize`)."""
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -92,6 +94,16 @@ class MergedLinear(nn.Module):
     def pack(self) -> None:
         """Prepacks the loaded weight for oneDNN where that is faster (CPU only)."""
         self.packed = PackedWeight.maybe(self.weight)
+
+    @torch.no_grad()
+    def quantize(self, mode: str, native: bool) -> None:
+        """Replaces the loaded weight by its int8 form (kernels/int8_matmul.py, CPU;
+        `native`: with the native CPU ops); `weight` keeps its dtype and device, and no
+        values."""
+        if self.weight.device.type != "cpu":
+            raise ValueError(f"int8 projections run on a CPU, not {self.weight.device}")
+        self.packed = Int8Weight(self.weight, mode, native)
+        self.weight.data = self.weight.new_empty(0)
 
     def enable_lora(self, max_loras: int, max_rank: int, backend: KernelBackend) -> LoRAStack:
         """Allocates this projection's zeroed adapter slots in `backend`'s layout."""

@@ -175,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         self.arch = arch
         self.dtype = dtype
+        self.kernels = kernels
         self.layout = layout or TPLayout.single(arch)
         self.group = group or TPGroup.single()
         if self.group.size != self.layout.size:
@@ -310,12 +311,16 @@ class LlamaForCausalLM(nn.Module):
                     targets[f"{prefix}{name}.bias"] = WeightTarget(module, "bias", 0)
         return targets
 
-    def load_weights(self, folder: str | Path) -> None:
+    def load_weights(self, folder: str | Path, quantization: str | None = None) -> None:
         """Fills every parameter from the HF safetensors in `folder` (single or sharded),
-        then prepacks the projections and the LM head for CPU matmuls where useful."""
+        then prepacks the projections and the LM head for CPU matmuls where useful, or
+        quantizes the projections to int8 in `quantization`'s mode."""
         ignored = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
         load_checkpoint(Path(folder), self.weight_targets(), ignored)
         for module in self.modules():
             if isinstance(module, MergedLinear):
-                module.pack()
+                if quantization is None:
+                    module.pack()
+                else:
+                    module.quantize(quantization, native=self.kernels == "cpu")
         self.packed_lm_head = PackedWeight.maybe(self.lm_head)

@@ -36,13 +36,15 @@ def load_model(
     kernels: str = "torch",
     rank: int = 0,
     group: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelArch]:
     """Builds the model for `folder/config.json` on `device` in `dtype` with the named
     layer kernels (rank `rank`'s shard when `group` spans several ranks) and loads its
-    safetensors weights; returns (model in eval mode, arch)."""
+    safetensors weights, its projections quantized to int8 in `quantization`'s mode
+    (kernels/int8_matmul.py; None: none); returns (model in eval mode, arch)."""
     arch = ModelArch.from_folder(folder)
     group = group or TPGroup.single()
     layout = TPLayout.create(arch, rank, group.size)
     model = model_class_for(arch.architecture)(arch, dtype, device, kernels, layout, group)
-    model.load_weights(folder)
+    model.load_weights(folder, quantization)
     return model.eval(), arch

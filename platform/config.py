@@ -73,8 +73,10 @@ class ModelConfig:
     `enforce_eager` runs every step eagerly instead.
     `quantization` (CPU): 'int8' holds the decoder layers' projections as int8 per
     output channel and multiplies them with activations quantized per token (W8A8,
-    dynamic); 'int8_weight_only' keeps the activations in bf16. The embedding table,
-    the LM head and LoRA adapters stay in `dtype` (kernels/int8_matmul.py).
+    dynamic); 'int8_weight_only' keeps the activations in bf16. The embedding table
+    and LoRA adapters stay in `dtype` (kernels/int8_matmul.py), and so does the LM head
+    unless `quantize_lm_head` (a batch-1 decode step reads it whole: a sixth of the
+    default model's weights).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -85,8 +87,13 @@ class ModelConfig:
     num_threads: int | None = None
     enforce_eager: bool = False
     quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError(
+                f"quantize_lm_head needs a quantization (one of {tuple(QUANTIZATIONS)})"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {tuple(QUANTIZATIONS)} or None, "

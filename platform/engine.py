@@ -158,6 +158,7 @@ class LLMEngine:
             max_loras=config.lora.max_loras,
             max_lora_rank=config.lora.max_lora_rank,
             quantization=QUANTIZATIONS.get(config.model.quantization or ""),
+            quantize_lm_head=config.model.quantize_lm_head,
         )
         self.workers: TPWorkers | None = None
         if tp_size > 1:

@@ -34,6 +34,7 @@ class RankSpec:
     max_lora_rank: int
     quantization: str | None = None
     """The projections' int8 mode ('dynamic', 'weight_only'; None: `dtype`)."""
+    quantize_lm_head: bool = False
 
 
 def build_rank(
@@ -47,7 +48,14 @@ def build_rank(
     them; `followers` (rank 0 of several ranks) get each step's inputs."""
     device = torch.device(spec.device)
     model, arch = load_model(
-        Path(spec.folder), spec.dtype, device, spec.kernels, rank, group, spec.quantization
+        Path(spec.folder),
+        spec.dtype,
+        device,
+        spec.kernels,
+        rank,
+        group,
+        spec.quantization,
+        spec.quantize_lm_head,
     )
     layout = TPLayout.create(arch, rank, group.size if group is not None else 1)
     kv_caches = allocate_kv_caches(

@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the projections in int8 (CPU; platform/config.py ModelConfig)",
     )
     offline.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="with --quantization: the LM head in int8 too",
+    )
+    offline.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="engine per-step token budget"
     )
     offline.add_argument(
@@ -232,6 +237,7 @@ def run_bench_offline(args: argparse.Namespace) -> int:
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("max_loras", args.max_loras),
             ("quantization", args.quantization),
+            ("quantize_lm_head", args.quantize_lm_head or None),
         )
         if value is not None
     }

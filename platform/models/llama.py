@@ -20,6 +20,7 @@ from torch import nn
 from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.backends import get_backend
 from loraplex.kernels.cpu_matmul import PackedWeight, linear
+from loraplex.kernels.int8_matmul import Int8Weight
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.layers.attention import PagedAttention
@@ -192,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope, device
         )
-        self.packed_lm_head: PackedWeight | None = None
+        self.packed_lm_head: PackedWeight | Int8Weight | None = None
         self.saved_modules: SavedModuleSlots | None = None
         """The LoRA slots' own embedding tables (adapters/saved_modules.py), set by
         the rank's builder when LoRA is on."""
@@ -311,10 +312,13 @@ class LlamaForCausalLM(nn.Module):
                     targets[f"{prefix}{name}.bias"] = WeightTarget(module, "bias", 0)
         return targets
 
-    def load_weights(self, folder: str | Path, quantization: str | None = None) -> None:
+    def load_weights(
+        self, folder: str | Path, quantization: str | None = None, quantize_lm_head: bool = False
+    ) -> None:
         """Fills every parameter from the HF safetensors in `folder` (single or sharded),
         then prepacks the projections and the LM head for CPU matmuls where useful, or
-        quantizes the projections to int8 in `quantization`'s mode."""
+        quantizes the projections (and with `quantize_lm_head` a copy of the LM head:
+        a tied one stays the embedding table) to int8 in `quantization`'s mode."""
         ignored = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
         load_checkpoint(Path(folder), self.weight_targets(), ignored)
         for module in self.modules():
@@ -323,4 +327,7 @@ class LlamaForCausalLM(nn.Module):
                     module.pack()
                 else:
                     module.quantize(quantization, native=self.kernels == "cpu")
-        self.packed_lm_head = PackedWeight.maybe(self.lm_head)
+        if quantization is not None and quantize_lm_head:
+            self.packed_lm_head = Int8Weight(self.lm_head, quantization, self.kernels == "cpu")
+        else:
+            self.packed_lm_head = PackedWeight.maybe(self.lm_head)

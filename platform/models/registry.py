@@ -37,14 +37,16 @@ def load_model(
     rank: int = 0,
     group: TPGroup | None = None,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> tuple[nn.Module, ModelArch]:
     """Builds the model for `folder/config.json` on `device` in `dtype` with the named
     layer kernels (rank `rank`'s shard when `group` spans several ranks) and loads its
     safetensors weights, its projections quantized to int8 in `quantization`'s mode
-    (kernels/int8_matmul.py; None: none); returns (model in eval mode, arch)."""
+    (kernels/int8_matmul.py; None: none), the LM head too with `quantize_lm_head`;
+    returns (model in eval mode, arch)."""
     arch = ModelArch.from_folder(folder)
     group = group or TPGroup.single()
     layout = TPLayout.create(arch, rank, group.size)
     model = model_class_for(arch.architecture)(arch, dtype, device, kernels, layout, group)
-    model.load_weights(folder, quantization)
+    model.load_weights(folder, quantization, quantize_lm_head)
     return model.eval(), arch

@@ -85,6 +85,27 @@ def test_int8_engine_matches_the_dequantized_oracle(setup, oracle, quantization,
     assert all(m.weight.numel() == 0 for m in projections), "the float weights were kept"
 
 
+def test_a_quantized_lm_head_stays_within_the_tolerance(setup, oracle):
+    """`quantize_lm_head`: the LM head is int8 too (its logits' rows per output
+    channel), the embedding table it was tied to or not stays in the dtype."""
+    base, adapter, prompts = setup
+    llm = LLM(
+        str(base), dtype="bfloat16", quantization="int8", quantize_lm_head=True, max_model_len=128
+    )
+    model = llm.engine.runner.model
+    assert isinstance(model.packed_lm_head, Int8Weight) and model.embed_tokens.numel() > 0
+    llm.register_adapter("qvd", str(adapter))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    adapters = [None, "qvd"] * (len(prompts) // 2)
+    outputs = llm.generate(prompts, params, adapters=adapters)
+    for index, (output, name) in enumerate(zip(outputs, adapters, strict=True)):
+        got = torch.tensor([entry.logprob for entry in output.prompt_logprobs[1:]])
+        want = oracle["adapter" if name else "base"][index]
+        assert (got - want).abs().max().item() < MAX_LOGPROB_ERROR, (index, name)
+    with pytest.raises(ValueError, match="quantize_lm_head needs a quantization"):
+        LLM(str(base), quantize_lm_head=True)
+
+
 def test_the_oracle_tells_the_adapter_from_the_base(oracle):
     """Guards the tolerance: the adapter moves some prompt logprob by far more."""
     pairs = zip(oracle["adapter"], oracle["base"], strict=True)

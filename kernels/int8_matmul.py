@@ -58,15 +58,25 @@ class Int8Weight:
     dynamic mode quantizes activations and rescales the int32 products with the native
     CPU ops (kernels/cpu_ops.py, one pass each) instead of a chain of torch ops."""
 
-    def __init__(self, weight: torch.Tensor, mode: str, native: bool = False) -> None:
+    def __init__(
+        self, quantized: torch.Tensor, scale: torch.Tensor, mode: str, native: bool = False
+    ) -> None:
+        """An int8 weight q [out, in] and its scales [out] as given (values in
+        [-128, 127]: dequantize(q, scale) is the weight); `from_float` quantizes one."""
         if mode not in INT8_MODES:
             raise ValueError(f"int8 mode must be one of {INT8_MODES}, got {mode!r}")
         self.mode = mode
         self.native = native
-        self.quantized, self.scale = quantize_per_channel(weight)
+        self.quantized = quantized.to(torch.int8).contiguous()
+        self.scale = scale.float().reshape(-1).contiguous()
         self.scale_bf16 = self.scale.to(torch.bfloat16)
         self.quantized_t = self.quantized.t().contiguous() if mode == "dynamic" else None
         """[in, out]: the layout torch's int8 matmul reads."""
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, mode: str, native: bool = False) -> Int8Weight:
+        """`weight` [out, in] quantized per output channel (`quantize_per_channel`)."""
+        return cls(*quantize_per_channel(weight), mode, native)
 
     @property
     def num_bytes(self) -> int:

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from loraplex.tools.check.cli import add_parser as add_check
 from loraplex.tools.serve_bench.cli import add_parser as add_serve_bench
@@ -145,7 +146,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_bench(bench_kinds)
     add_check(command_parsers)
     _add_probe_command(command_parsers)
+    _add_quantize_command(command_parsers)
     return parser
+
+
+def _add_quantize_command(command_parsers: argparse._SubParsersAction) -> None:
+    quantize = command_parsers.add_parser(
+        "quantize",
+        help="write an int8 compressed-tensors checkpoint (W8A8 or W8A16, per channel) "
+        "of a float model folder",
+    )
+    _add_model_argument(quantize)
+    quantize.add_argument("--out", required=True, help="the folder to write")
+    quantize.add_argument("--scheme", choices=["W8A8", "W8A16"], default="W8A8")
+    quantize.set_defaults(handler=run_quantize)
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    from loraplex.platform.model_files import resolve_model_folder
+    from loraplex.tools.quantize import quantize_folder
+
+    out = quantize_folder(resolve_model_folder(args.model), Path(args.out), args.scheme)
+    sys.stdout.write(f"wrote {out} ({args.scheme})\n")
+    return 0
 
 
 def _add_probe_command(command_parsers: argparse._SubParsersAction) -> None:

@@ -66,7 +66,9 @@ class MergedLinear(nn.Module):
         """The backend that allocated `lora` and adds its deltas."""
         self.packed: PackedWeight | Int8Weight | None = None
         """oneDNN copy of `weight` (CPU), made by `pack` once the weights are loaded, or
-        its int8 form (`quantize`)."""
+        its int8 form (`quantize`, or an int8 checkpoint's: `finish_int8_load`)."""
+        self.int8_weight: torch.Tensor | None = None
+        self.int8_scale: torch.Tensor | None = None
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -102,8 +104,31 @@ class MergedLinear(nn.Module):
         values."""
         if self.weight.device.type != "cpu":
             raise ValueError(f"int8 projections run on a CPU, not {self.weight.device}")
-        self.packed = Int8Weight(self.weight, mode, native)
+        self.packed = Int8Weight.from_float(self.weight, mode, native)
         self.weight.data = self.weight.new_empty(0)
+
+    def prepare_int8_load(self) -> None:
+        """Makes room for an int8 checkpoint's weight and per-channel scales (loaded by
+        `load_slice` as 'int8_weight' and 'int8_scale'); `weight` keeps no values."""
+        device = self.weight.device
+        self.int8_weight = torch.empty(
+            self.out_features, self.in_features, dtype=torch.int8, device=device
+        )
+        self.int8_scale = torch.empty(self.out_features, dtype=torch.float32, device=device)
+        self.weight.data = self.weight.new_empty(0)
+
+    def finish_int8_load(self, mode: str, native: bool) -> None:
+        """The loaded int8 weight and scales become the projection's product, as stored
+        (kernels/int8_matmul.py, CPU)."""
+        if self.int8_weight.device.type != "cpu":
+            raise ValueError(f"int8 projections run on a CPU, not {self.int8_weight.device}")
+        self.packed = Int8Weight(self.int8_weight, self.int8_scale, mode, native)
+        self.int8_weight = self.int8_scale = None
+
+    def _load_target(self, name: str) -> torch.Tensor | None:
+        if name == "int8_scale":
+            return None if self.int8_scale is None else self.int8_scale.unsqueeze(1)
+        return {"weight": self.weight, "bias": self.bias, "int8_weight": self.int8_weight}[name]
 
     def enable_lora(self, max_loras: int, max_rank: int, backend: KernelBackend) -> LoRAStack:
         """Allocates this projection's zeroed adapter slots in `backend`'s layout."""
@@ -128,13 +153,15 @@ class MergedLinear(nn.Module):
 
     @torch.no_grad()
     def load_slice(self, index: int, name: str, tensor: CheckpointSlice) -> None:
-        """Copies this rank's rows of checkpoint tensor `index` into `weight` or `bias`."""
-        target = self.weight if name == "weight" else self.bias
+        """Copies this rank's rows of checkpoint tensor `index` into `weight` or `bias`
+        (or an int8 checkpoint's 'int8_weight' and 'int8_scale' [out, 1])."""
+        target = self._load_target(name)
         if target is None:
             raise ValueError(f"{type(self).__name__} has no {name}")
         start, size = self.offsets[index], self.output_sizes[index]
         row_start = self.row_ranges[index][0]
-        full = (self.full_sizes[index], self.in_features)[: target.dim()]
+        columns = 1 if name == "int8_scale" else self.in_features
+        full = (self.full_sizes[index], columns)[: target.dim()]
         rows = (slice(row_start, row_start + size),)
         _copy_checked(target[start : start + size], tensor, full, rows, f"{name} slice {index}")
 
@@ -207,13 +234,13 @@ class RowParallelLinear(MergedLinear):
 
     @torch.no_grad()
     def load_slice(self, index: int, name: str, tensor: CheckpointSlice) -> None:
-        if name == "bias":
+        if name in ("bias", "int8_scale"):
             super().load_slice(index, name, tensor)
             return
         start, size = self.col_range
         full = (self.full_sizes[0], self.full_in_features)
         cols = (slice(None), slice(start, start + size))
-        _copy_checked(self.weight, tensor, full, cols, name)
+        _copy_checked(self._load_target(name), tensor, full, cols, name)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", col_range={self.col_range}"

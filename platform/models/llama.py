@@ -9,6 +9,7 @@ has a `LoRABatch` (see kernels/lora.py and `enable_lora`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -313,21 +314,52 @@ class LlamaForCausalLM(nn.Module):
         return targets
 
     def load_weights(
-        self, folder: str | Path, quantization: str | None = None, quantize_lm_head: bool = False
+        self,
+        folder: str | Path,
+        quantization: str | None = None,
+        quantize_lm_head: bool = False,
+        int8_checkpoint: bool = False,
     ) -> None:
         """Fills every parameter from the HF safetensors in `folder` (single or sharded),
         then prepacks the projections and the LM head for CPU matmuls where useful, or
         quantizes the projections (and with `quantize_lm_head` a copy of the LM head:
-        a tied one stays the embedding table) to int8 in `quantization`'s mode."""
-        ignored = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
-        load_checkpoint(Path(folder), self.weight_targets(), ignored)
-        for module in self.modules():
-            if isinstance(module, MergedLinear):
-                if quantization is None:
-                    module.pack()
-                else:
-                    module.quantize(quantization, native=self.kernels == "cpu")
+        a tied one stays the embedding table) to int8 in `quantization`'s mode. An
+        `int8_checkpoint` (compressed-tensors, platform/models/compressed_tensors.py)
+        holds the projections' int8 weights and scales, which run as stored."""
+        projections = [m for m in self.modules() if isinstance(m, MergedLinear)]
+        ignored = ["lm_head.weight"] if self.arch.tie_word_embeddings else []
+        targets = self.weight_targets()
+        if int8_checkpoint:
+            for module in projections:
+                module.prepare_int8_load()
+            targets = _int8_targets(targets)
+            ignored += [name + "_zero_point" for name in targets if name.endswith(".weight")]
+        load_checkpoint(Path(folder), targets, ignored)
+        native = self.kernels == "cpu"
+        for module in projections:
+            if int8_checkpoint:
+                module.finish_int8_load(quantization, native)
+            elif quantization is None:
+                module.pack()
+            else:
+                module.quantize(quantization, native)
         if quantization is not None and quantize_lm_head:
-            self.packed_lm_head = Int8Weight(self.lm_head, quantization, self.kernels == "cpu")
+            self.packed_lm_head = Int8Weight.from_float(
+                self.lm_head, quantization, self.kernels == "cpu"
+            )
         else:
             self.packed_lm_head = PackedWeight.maybe(self.lm_head)
+
+
+def _int8_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:
+    """`targets` for an int8 checkpoint: each decoder projection's `.weight` is int8
+    (its 'int8_weight'), with its per-channel `.weight_scale` beside it."""
+    result: dict[str, WeightTarget] = {}
+    for name, target in targets.items():
+        if target.attr == "weight" and isinstance(target.module, MergedLinear):
+            result[name] = dataclasses.replace(target, attr="int8_weight")
+            scale = name.removesuffix(".weight") + ".weight_scale"
+            result[scale] = dataclasses.replace(target, attr="int8_scale")
+        else:
+            result[name] = target
+    return result

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from loraplex.platform.arch import ModelArch
+from loraplex.platform.models.compressed_tensors import read_checkpoint_quantization
 from loraplex.platform.models.llama import LlamaForCausalLM
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout
@@ -42,11 +44,18 @@ def load_model(
     """Builds the model for `folder/config.json` on `device` in `dtype` with the named
     layer kernels (rank `rank`'s shard when `group` spans several ranks) and loads its
     safetensors weights, its projections quantized to int8 in `quantization`'s mode
+    (an int8 compressed-tensors checkpoint's stored int8 weights, in its own mode
+    unless `quantization` names another)
     (kernels/int8_matmul.py; None: none), the LM head too with `quantize_lm_head`;
     returns (model in eval mode, arch)."""
     arch = ModelArch.from_folder(folder)
     group = group or TPGroup.single()
     layout = TPLayout.create(arch, rank, group.size)
     model = model_class_for(arch.architecture)(arch, dtype, device, kernels, layout, group)
-    model.load_weights(folder, quantization, quantize_lm_head)
+    checkpoint_mode = read_checkpoint_quantization(
+        json.loads((Path(folder) / "config.json").read_text())
+    )
+    model.load_weights(
+        folder, quantization or checkpoint_mode, quantize_lm_head, checkpoint_mode is not None
+    )
     return model.eval(), arch

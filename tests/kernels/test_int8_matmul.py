@@ -39,7 +39,7 @@ def test_int8_weight_matches_its_reference(weight, mode, rows, dtype):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 64, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
-    layer = Int8Weight(weight, mode)
+    layer = Int8Weight.from_float(weight, mode)
     got = layer(x, bias)
     want = reference_int8_linear(x, layer.quantized, layer.scale, bias, mode)
     assert got.dtype == dtype and got.shape == (rows, 96)
@@ -51,7 +51,7 @@ def test_int8_weight_matches_its_reference(weight, mode, rows, dtype):
 def test_dynamic_rows_quantize_activations_per_token(weight):
     """Past DYNAMIC_MIN_ROWS rows the product is int8 x int8: a row scaled by 1000 gives
     its own result scaled by 1000 (its own activation scale), the others unchanged."""
-    layer = Int8Weight(weight, "dynamic")
+    layer = Int8Weight.from_float(weight, "dynamic")
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
     scaled = x.clone()
     scaled[5] *= 1000.0
@@ -62,7 +62,7 @@ def test_dynamic_rows_quantize_activations_per_token(weight):
 
 def test_unknown_mode_is_refused(weight):
     with pytest.raises(ValueError, match="int8 mode"):
-        Int8Weight(weight, "int4")
+        Int8Weight.from_float(weight, "int4")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,7 +76,7 @@ def test_native_dynamic_path_equals_the_torch_path(weight, dtype, with_bias):
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
     x[3] = 0.0
     bias = torch.randn(96).to(dtype) if with_bias else None
-    native = Int8Weight(weight, "dynamic", native=True)(x, bias)
-    plain = Int8Weight(weight, "dynamic", native=False)(x, bias)
+    native = Int8Weight.from_float(weight, "dynamic", native=True)(x, bias)
+    plain = Int8Weight.from_float(weight, "dynamic", native=False)(x, bias)
     assert native.dtype == dtype
     assert torch.equal(native, plain)

@@ -1,0 +1,84 @@
+"""`loraplex quantize`: writes an int8 compressed-tensors checkpoint (the format
+llm-compressor writes and vLLM reads; platform/models/compressed_tensors.py) from a
+float HF folder, round to nearest, per output channel, symmetric:
+
+    <proj>.weight        int8 [out, in]   round(W / s) within [-127, 127]
+    <proj>.weight_scale  [out, 1]         s = max |W[n]| / 127, in the weight's dtype
+
+for every decoder layer's q/k/v/o/gate/up/down projection; every other tensor (the
+embedding table, norms, the LM head) is copied unchanged, and so are the tokenizer and
+generation files (not loraplex's own markers). `scheme` 'W8A8' marks the activations as quantized per token on the
+fly, 'W8A16' leaves them unquantized. No calibration data: dynamic activations need
+none, and the weights are rounded to nearest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from loraplex.platform.models.compressed_tensors import checkpoint_quantization_config
+from loraplex.platform.models.weights import checkpoint_files
+
+logger = logging.getLogger(__name__)
+
+SCHEMES = {"W8A8": "dynamic", "W8A16": "weight_only"}
+PROJECTION = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight"
+)
+
+
+def quantize_projection(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight [out, in], scale [out, 1] in the weight's dtype): see the module
+    docstring; the int8 values are rounded with the scale as stored."""
+    wide = weight.float()
+    scale = (wide.abs().amax(dim=1, keepdim=True) / 127.0).to(weight.dtype)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    quantized = torch.round(wide / scale.float()).clamp_(-127, 127).to(torch.int8)
+    return quantized.contiguous(), scale.contiguous()
+
+
+def quantize_folder(source: Path, out: Path, scheme: str = "W8A8") -> Path:
+    """Writes the int8 checkpoint of the HF folder `source` into `out` (created; must
+    not hold a checkpoint already) and returns `out`."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {tuple(SCHEMES)}, got {scheme!r}")
+    config = json.loads((source / "config.json").read_text())
+    if config.get("quantization_config") is not None:
+        raise ValueError(f"{source} is already quantized")
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.safetensors")):
+        raise ValueError(f"{out} already holds a checkpoint")
+    tensors: dict[str, torch.Tensor] = {}
+    files = checkpoint_files(source)
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            names = list(handle.keys())
+            for name in tqdm(names, desc=f"quantizing {file.name}", unit="tensor"):
+                tensor = handle.get_tensor(name)
+                if PROJECTION.fullmatch(name):
+                    tensors[name], tensors[name + "_scale"] = quantize_projection(tensor)
+                else:
+                    tensors[name] = tensor.contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config["quantization_config"] = checkpoint_quantization_config(SCHEMES[scheme])
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for path in source.iterdir():
+        skipped = (
+            path.suffix == ".safetensors"
+            or path.name.startswith("loraplex_")
+            or path.name in ("config.json", "model.safetensors.index.json")
+        )
+        if path.is_file() and not skipped:
+            shutil.copy2(path, out / path.name)
+    quantized = sum(1 for name in tensors if PROJECTION.fullmatch(name))
+    logger.info("wrote %s: %d projections in int8 (%s)", out, quantized, scheme)
+    return out

@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "alternating, and print each guided run's cost per output token",
     )
     offline.add_argument(
+        "--quality",
+        action="store_true",
+        help="instead: perplexity of a shipped text and greedy agreement of the engine "
+        "with these options against the same dtype without them",
+    )
+    offline.add_argument(
         "--host-overhead",
         action="store_true",
         help="instead: per-step host time outside the kernels (CPU), at batch 1 and at "
@@ -270,6 +276,8 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         return run_guided_bench(args, engine_options)
     if args.host_overhead:
         return run_host_overhead_bench(args, engine_options)
+    if args.quality:
+        return run_quality_bench(args, engine_options)
     report = offline.run_offline_bench(
         model=args.model,
         dtype=args.dtype,
@@ -286,6 +294,19 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         ceiling=args.ceiling,
     )
     sys.stdout.write(offline.format_report(report))
+    return 0
+
+
+def run_quality_bench(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
+    from loraplex.tools.engine_bench import quality
+
+    reference = "bfloat16" if args.dtype == "auto" else args.dtype
+    variants = {reference: {"dtype": reference}}
+    if engine_options:
+        name = " ".join(f"{k}={v}" for k, v in engine_options.items())
+        variants[f"{reference} {name}"] = {"dtype": reference, **engine_options}
+    results = quality.run_quality(args.model, variants)
+    sys.stdout.write(quality.format_quality(args.model, results))
     return 0
 
 

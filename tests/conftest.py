@@ -315,7 +315,77 @@ def peft_adapter_factory():
     return make_peft_adapter
 
 
+def greedy_continuations(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """An HF model's greedy continuation of each prompt, one at a time, exactly
+    `max_new` tokens (no EOS)."""
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            generated = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+def load_int8_checkpoint_oracle(folder: Path, adapter_folder: Path | None = None):
+    """transformers on an int8 compressed-tensors checkpoint's dequantized weights
+    (each projection's int8 weight times its `weight_scale`), PEFT's adapter on top."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    stored = load_file(folder / "model.safetensors")
+    model.load_state_dict(
+        {
+            name: tensor.float() * stored[name + "_scale"].float()
+            if name + "_scale" in stored
+            else tensor.float()
+            for name, tensor in stored.items()
+            if not name.endswith("_scale")
+        }
+    )
+    if adapter_folder is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_folder)
+    return model.eval()
+
+
+def teacher_forced_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """[len - 1] each prompt token's logprob given the ones before it, from an HF model."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
+    return logits.log_softmax(-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
 @pytest.fixture(scope="session")
 def peft_oracle():
     """`load_peft_oracle` as a fixture."""
     return load_peft_oracle
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """`greedy_continuations` as a fixture."""
+    return greedy_continuations
+
+
+@pytest.fixture(scope="session")
+def int8_checkpoint_oracle():
+    """`load_int8_checkpoint_oracle` as a fixture."""
+    return load_int8_checkpoint_oracle
+
+
+@pytest.fixture(scope="session")
+def hf_prompt_logprobs():
+    """`teacher_forced_logprobs` as a fixture."""
+    return teacher_forced_logprobs

@@ -11,25 +11,10 @@ import time
 import urllib.request
 
 import pytest
-import torch
 
 from loraplex.adapters.peft_format import CONFIG_NAME
 
 BOTH = ("lm_head", "embed_tokens")
-
-
-def greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +40,12 @@ def registered(serve_setup, post, peft_adapter_factory, tmp_path_factory):
 
 
 def test_an_adapter_with_its_own_head_and_embeddings_answers_like_peft(
-    client, serve_setup, registered, peft_oracle
+    client, serve_setup, registered, peft_oracle, hf_greedy
 ):
     prompt = [5, 17, 99, 3, 250, 7]
     model = peft_oracle(serve_setup.base, registered["own-head"])
-    want = greedy(model, prompt, 8)
-    base_want = greedy(peft_oracle(serve_setup.base, None), prompt, 8)
+    [want] = hf_greedy(model, [prompt], 8)
+    [base_want] = hf_greedy(peft_oracle(serve_setup.base, None), [prompt], 8)
     assert want != base_want
     for name, expected in (("tiny:own-head", want), ("tiny", base_want)):
         reply = client.completions.create(
@@ -74,13 +59,15 @@ def test_an_adapter_with_its_own_head_and_embeddings_answers_like_peft(
         assert reply.choices[0].logprobs.tokens == [f"w{t}" for t in expected], name
 
 
-def test_a_resized_vocabulary_speaks_its_new_words(client, serve_setup, registered, peft_oracle):
+def test_a_resized_vocabulary_speaks_its_new_words(
+    client, serve_setup, registered, peft_oracle, hf_greedy
+):
     """Text in and out through the adapter's tokenizer: a prompt holding new words, a
     completion (streamed) and its logprobs equal to PEFT on the resized base."""
     prompt_text = "w3 w515 w7 w519 w11"
     prompt = [3, 515, 7, 519, 11]
     model = peft_oracle(serve_setup.base, registered["new-words"])
-    want = greedy(model, prompt, 10)
+    [want] = hf_greedy(model, [prompt], 10)
     chunks = client.completions.create(
         model="tiny:new-words",
         prompt=prompt_text,

@@ -12,10 +12,9 @@ import random
 import openai
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from loraplex.deployments.tenants import hash_key
-from loraplex.tools.quantize import PROJECTION, quantize_folder
+from loraplex.tools.quantize import quantize_folder
 
 APP, PREFIX = "int8", "/int8"
 KEY = "sk-int8-test"
@@ -48,29 +47,9 @@ def int8_app(serve_setup, tmp_path_factory):
     serve.delete(APP)
 
 
-def dequantized_oracle(folder, adapter=None):
-    from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    stored = load_file(folder / "model.safetensors")
-    model.load_state_dict(
-        {
-            name: tensor.float() * stored[name + "_scale"].float()
-            if PROJECTION.fullmatch(name)
-            else tensor.float()
-            for name, tensor in stored.items()
-            if not name.endswith("_scale")
-        }
-    )
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    return model.eval()
-
-
-def test_an_int8_checkpoint_serves_base_and_adapter_within_tolerance(int8_app, serve_setup):
+def test_an_int8_checkpoint_serves_base_and_adapter_within_tolerance(
+    int8_app, serve_setup, int8_checkpoint_oracle, hf_prompt_logprobs
+):
     url, folder = int8_app
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
     rng = random.Random(4)
@@ -90,10 +69,7 @@ def test_an_int8_checkpoint_serves_base_and_adapter_within_tolerance(int8_app, s
                 for entry, token in zip(scored[1:], prompt[1:], strict=True)
             ]
         )
-        with torch.inference_mode():
-            logits = dequantized_oracle(folder, adapter)(input_ids=torch.tensor([prompt]))
-        want = logits.logits[0].float().log_softmax(-1)[:-1]
-        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        want = hf_prompt_logprobs(int8_checkpoint_oracle(folder, adapter), prompt)
         assert (got - want).abs().max().item() < MAX_LOGPROB_ERROR, model
         assert reply.usage.completion_tokens == 4
     chunks = client.completions.create(

@@ -8,7 +8,6 @@ import random
 import shutil
 
 import pytest
-import torch
 
 from loraplex.adapters.peft_format import SUPPORTED_MODULES
 from loraplex.platform.llm import LLM
@@ -76,33 +75,10 @@ def mixed_requests(vocab: int, names: list[str], seed: int = 0):
     return requests
 
 
-def peft_greedy(base, folder, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """The oracle: PEFT's unmerged adapter (or the bare base) on HF transformers."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if folder is not None:
-        model = PeftModel.from_pretrained(model, folder)
-    model.eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
-
-
 @pytest.fixture(scope="module")
-def expected(lora_setup):
+def expected(lora_setup, peft_oracle, hf_greedy):
+    """The oracle's outputs: PEFT's unmerged adapter (or the bare base) on HF
+    transformers, greedy."""
     base, folders = lora_setup
     requests = mixed_requests(512, list(folders))
     by_adapter: dict[str | None, list[int]] = {}
@@ -112,7 +88,8 @@ def expected(lora_setup):
     for adapter, indices in by_adapter.items():
         prompts = [requests[i][0] for i in indices]
         folder = folders[adapter] if adapter else None
-        for i, out in zip(indices, peft_greedy(base, folder, prompts, MAX_NEW), strict=True):
+        outputs = hf_greedy(peft_oracle(base, folder), prompts, MAX_NEW)
+        for i, out in zip(indices, outputs, strict=True):
             result[i] = out
     return requests, result
 
@@ -155,7 +132,7 @@ def test_adapters_change_outputs(expected):
 
 
 def test_same_name_new_weights_gives_new_outputs_and_no_stale_kv(
-    lora_setup, tmp_path, peft_adapter_factory
+    lora_setup, tmp_path, peft_adapter_factory, peft_oracle, hf_greedy
 ):
     """The adapter identity is its content: rewriting an adapter under the same name
     changes outputs and never reuses KV blocks computed with the old weights."""
@@ -177,7 +154,7 @@ def test_same_name_new_weights_gives_new_outputs_and_no_stale_kv(
     new = llm.generate([prompt], params, adapters=["mine"])[0]
     assert llm.engine.adapters.load("mine").key != old_key
     assert new.num_cached_tokens == 0, "KV computed with the old weights was reused"
-    assert new.token_ids == peft_greedy(base, folder, [prompt], MAX_NEW)[0]
+    assert new.token_ids == hf_greedy(peft_oracle(base, folder), [prompt], MAX_NEW)[0]
     assert new.token_ids != first.token_ids
 
 

@@ -57,39 +57,22 @@ def requests_for(names: list[str], vocab: int = 512, seed: int = 0):
     return requests
 
 
-def greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
-
-
-def oracle_outputs(peft_oracle, base, folders, requests) -> list[list[int]]:
+def oracle_outputs(peft_oracle, hf_greedy, base, folders, requests) -> list[list[int]]:
     result: list[list[int] | None] = [None] * len(requests)
     for adapter in {a for _, a in requests}:
         indices = [i for i, (_, a) in enumerate(requests) if a == adapter]
         model = peft_oracle(base, folders[adapter] if adapter else None)
-        outputs = greedy(model, [requests[i][0] for i in indices], MAX_NEW)
+        outputs = hf_greedy(model, [requests[i][0] for i in indices], MAX_NEW)
         for i, out in zip(indices, outputs, strict=True):
             result[i] = out
     return result
 
 
 @pytest.fixture(scope="module")
-def expected(setup, peft_oracle):
+def expected(setup, peft_oracle, hf_greedy):
     base, folders = setup
     requests = requests_for(list(folders))
-    return requests, oracle_outputs(peft_oracle, base, folders, requests)
+    return requests, oracle_outputs(peft_oracle, hf_greedy, base, folders, requests)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -112,7 +95,7 @@ def test_saved_modules_in_mixed_batches_match_peft(setup, expected, mode):
         assert engine.runner.lora_slots.stats.evictions > 0
 
 
-def test_saved_modules_change_outputs(setup, expected, peft_oracle):
+def test_saved_modules_change_outputs(setup, expected, peft_oracle, hf_greedy):
     """Guards the oracle: each adapter's saved module changes PEFT's greedy outputs from
     those of its LoRA pairs alone (the saved copy switched off)."""
     requests, want = expected
@@ -121,13 +104,13 @@ def test_saved_modules_change_outputs(setup, expected, peft_oracle):
         indices = [i for i, (_, adapter) in enumerate(requests) if adapter == name]
         model = peft_oracle(base, folders[name])
         model.base_model.model.get_submodule(module).enable_adapters(False)
-        without = greedy(model, [requests[i][0] for i in indices], MAX_NEW)
+        without = hf_greedy(model, [requests[i][0] for i in indices], MAX_NEW)
         assert without != [want[i] for i in indices], name
 
 
 @pytest.mark.parametrize("saved", [("lm_head",), ("embed_tokens",), ("lm_head", "embed_tokens")])
 def test_saved_modules_on_a_base_with_tied_embeddings_match_peft(
-    saved, tiny_model_factory, tmp_path, peft_adapter_factory, peft_oracle
+    saved, tiny_model_factory, tmp_path, peft_adapter_factory, peft_oracle, hf_greedy
 ):
     """On a base whose LM head is its embedding table (the default model's case), the
     saved copy replaces only the module it saved, as in PEFT."""
@@ -137,7 +120,7 @@ def test_saved_modules_on_a_base_with_tied_embeddings_match_peft(
     )
     requests = [(prompt, "tied") for prompt, _ in requests_for([], seed=3)[:4]]
     requests += [(requests[0][0], None)]
-    want = oracle_outputs(peft_oracle, base, {"tied": folder}, requests)
+    want = oracle_outputs(peft_oracle, hf_greedy, base, {"tied": folder}, requests)
     llm = LLM(str(base), dtype="float32", max_model_len=128)
     llm.register_adapter("tied", str(folder))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -173,7 +156,7 @@ def resized(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
     return base, folder
 
 
-def test_a_resized_vocabulary_matches_peft_beside_the_base(resized, peft_oracle):
+def test_a_resized_vocabulary_matches_peft_beside_the_base(resized, peft_oracle, hf_greedy):
     """Prompts holding new tokens, completions that pick them and feed them back: equal
     to PEFT on the resized base; the base model's requests in the same batch are
     unchanged, and the engine refuses the new ids for them."""
@@ -185,7 +168,7 @@ def test_a_resized_vocabulary_matches_peft_beside_the_base(resized, peft_oracle)
     ]
     base_prompts = [[t % 512 for t in p] for p in prompts[:2]]
     requests = [(p, "resized") for p in prompts] + [(p, None) for p in base_prompts]
-    want = oracle_outputs(peft_oracle, base, {"resized": folder}, requests)
+    want = oracle_outputs(peft_oracle, hf_greedy, base, {"resized": folder}, requests)
     assert any(t >= 512 for out in want[:5] for t in out), "no new token picked"
     llm = LLM(str(base), dtype="float32", max_model_len=128, max_adapter_vocab_size=RESIZED_VOCAB)
     llm.register_adapter("resized", str(folder))
@@ -196,14 +179,18 @@ def test_a_resized_vocabulary_matches_peft_beside_the_base(resized, peft_oracle)
         llm.generate([[3, 515]], params)
 
 
-def test_a_resized_vocabulary_reads_and_writes_text_in_its_tokenizer(resized, peft_oracle):
+def test_a_resized_vocabulary_reads_and_writes_text_in_its_tokenizer(
+    resized, peft_oracle, hf_greedy
+):
     base, folder = resized
     llm = LLM(str(base), dtype="float32", max_model_len=128, max_adapter_vocab_size=RESIZED_VOCAB)
     llm.register_adapter("resized", str(folder))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     [output] = llm.generate(["w3 w515 w7 w519"], params, adapters=["resized"])
     assert output.prompt_token_ids == [3, 515, 7, 519]
-    want = oracle_outputs(peft_oracle, base, {"resized": folder}, [([3, 515, 7, 519], "resized")])
+    want = oracle_outputs(
+        peft_oracle, hf_greedy, base, {"resized": folder}, [([3, 515, 7, 519], "resized")]
+    )
     assert output.token_ids == want[0]
     assert output.text.split() == [f"w{t}" for t in want[0]]
     assert any(t >= 512 for t in want[0]), "the text holds a new token"
@@ -212,7 +199,7 @@ def test_a_resized_vocabulary_reads_and_writes_text_in_its_tokenizer(resized, pe
         llm.generate(["w3"], refused, adapters=["resized"])
 
 
-def test_prompt_logprobs_come_from_the_adapters_own_head(setup, peft_oracle):
+def test_prompt_logprobs_come_from_the_adapters_own_head(setup, peft_oracle, hf_prompt_logprobs):
     """Prompt logprobs (the scored rows of a prefill) of an adapter that saved its LM
     head equal PEFT's log-softmax over that head, within fp32 rounding; the base's in
     the same batch equal the base's."""
@@ -224,9 +211,7 @@ def test_prompt_logprobs_come_from_the_adapters_own_head(setup, peft_oracle):
     outputs = llm.generate([prompt, prompt], params, adapters=["head", None])
     for output, adapter in zip(outputs, ("head", None), strict=True):
         model = peft_oracle(base, folders[adapter] if adapter else None)
-        with torch.inference_mode():
-            logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
-        want = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        want = hf_prompt_logprobs(model, prompt)
         got = torch.tensor([lp.logprob for lp in output.prompt_logprobs[1:]])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     pairs = zip(outputs[0].prompt_logprobs[1:], outputs[1].prompt_logprobs[1:], strict=True)

@@ -51,17 +51,24 @@ def dequantized_oracle(base, adapter):
     return model.eval()
 
 
-def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
-    return logits.log_softmax(-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+def assert_within_tolerance(llm, prompts, oracle) -> None:
+    """Base and adapter requests in one batch: every prompt token's logprob within
+    MAX_LOGPROB_ERROR of the oracle's."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    adapters = [None, "qvd"] * (len(prompts) // 2)
+    outputs = llm.generate(prompts, params, adapters=adapters)
+    for index, (output, name) in enumerate(zip(outputs, adapters, strict=True)):
+        got = torch.tensor([entry.logprob for entry in output.prompt_logprobs[1:]])
+        want = oracle["adapter" if name else "base"][index]
+        error = (got - want).abs().max().item()
+        assert error < MAX_LOGPROB_ERROR, (index, name, error)
 
 
 @pytest.fixture(scope="module")
-def oracle(setup):
+def oracle(setup, hf_prompt_logprobs):
     base, adapter, prompts = setup
     return {
-        name: [prompt_logprobs(dequantized_oracle(base, folder), p) for p in prompts]
+        name: [hf_prompt_logprobs(dequantized_oracle(base, folder), p) for p in prompts]
         for name, folder in (("base", None), ("adapter", adapter))
     }
 
@@ -72,14 +79,7 @@ def test_int8_engine_matches_the_dequantized_oracle(setup, oracle, quantization,
     base, adapter, prompts = setup
     llm = LLM(str(base), dtype=dtype, quantization=quantization, max_model_len=128)
     llm.register_adapter("qvd", str(adapter))
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
-    adapters = [None, "qvd"] * (len(prompts) // 2)
-    outputs = llm.generate(prompts, params, adapters=adapters)
-    for index, (output, name) in enumerate(zip(outputs, adapters, strict=True)):
-        got = torch.tensor([entry.logprob for entry in output.prompt_logprobs[1:]])
-        want = oracle["adapter" if name else "base"][index]
-        error = (got - want).abs().max().item()
-        assert error < MAX_LOGPROB_ERROR, (index, name, error)
+    assert_within_tolerance(llm, prompts, oracle)
     projections = [m for m in llm.engine.runner.model.modules() if isinstance(m, MergedLinear)]
     assert projections and all(isinstance(m.packed, Int8Weight) for m in projections)
     assert all(m.weight.numel() == 0 for m in projections), "the float weights were kept"
@@ -95,13 +95,7 @@ def test_a_quantized_lm_head_stays_within_the_tolerance(setup, oracle):
     model = llm.engine.runner.model
     assert isinstance(model.packed_lm_head, Int8Weight) and model.embed_tokens.numel() > 0
     llm.register_adapter("qvd", str(adapter))
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
-    adapters = [None, "qvd"] * (len(prompts) // 2)
-    outputs = llm.generate(prompts, params, adapters=adapters)
-    for index, (output, name) in enumerate(zip(outputs, adapters, strict=True)):
-        got = torch.tensor([entry.logprob for entry in output.prompt_logprobs[1:]])
-        want = oracle["adapter" if name else "base"][index]
-        assert (got - want).abs().max().item() < MAX_LOGPROB_ERROR, (index, name)
+    assert_within_tolerance(llm, prompts, oracle)
     with pytest.raises(ValueError, match="quantize_lm_head needs a quantization"):
         LLM(str(base), quantize_lm_head=True)
 

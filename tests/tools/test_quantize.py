@@ -19,7 +19,7 @@ from loraplex.platform.llm import LLM
 from loraplex.platform.models.compressed_tensors import read_checkpoint_quantization
 from loraplex.platform.request import SamplingParams
 from loraplex.tools.cli import main as cli_main
-from loraplex.tools.quantize import PROJECTION, quantize_folder
+from loraplex.tools.quantize import quantize_folder
 
 MAX_LOGPROB_ERROR = 0.06
 
@@ -37,29 +37,6 @@ def checkpoints(base, tmp_path_factory):
         "W8A8": root / "w8a8",
         "W8A16": quantize_folder(base, root / "w8a16", "W8A16"),
     }
-
-
-def dequantized_oracle(folder, adapter=None):
-    """transformers on the checkpoint's dequantized weights (q * scale), PEFT on top."""
-    from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    stored = load_file(folder / "model.safetensors")
-    weights = {
-        name: (tensor.float() * stored[name + "_scale"].float())
-        if PROJECTION.fullmatch(name)
-        else tensor.float()
-        for name, tensor in stored.items()
-        if not name.endswith("_scale")
-    }
-    model.load_state_dict(weights, strict=False)
-    model.tie_weights()
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    return model.eval()
 
 
 def test_the_checkpoint_is_compressed_tensors_int8(base, checkpoints):
@@ -81,7 +58,13 @@ def test_the_checkpoint_is_compressed_tensors_int8(base, checkpoints):
 
 @pytest.mark.parametrize("scheme", ["W8A8", "W8A16"])
 def test_the_engine_serves_the_stored_int8_weights(
-    checkpoints, scheme, tmp_path, peft_adapter_factory, base
+    checkpoints,
+    scheme,
+    tmp_path,
+    peft_adapter_factory,
+    base,
+    int8_checkpoint_oracle,
+    hf_prompt_logprobs,
 ):
     folder = checkpoints[scheme]
     adapter = peft_adapter_factory(base, tmp_path / "qv", target_modules=("q_proj", "v_proj"))
@@ -99,11 +82,9 @@ def test_the_engine_serves_the_stored_int8_weights(
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
     adapters = [None, "qv", None, "qv"]
     outputs = llm.generate(prompts, params, adapters=adapters)
-    oracles = {None: dequantized_oracle(folder), "qv": dequantized_oracle(folder, adapter)}
+    oracles = {None: int8_checkpoint_oracle(folder), "qv": int8_checkpoint_oracle(folder, adapter)}
     for prompt, output, name in zip(prompts, outputs, adapters, strict=True):
-        with torch.inference_mode():
-            logits = oracles[name](input_ids=torch.tensor([prompt])).logits[0].float()
-        want = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        want = hf_prompt_logprobs(oracles[name], prompt)
         got = torch.tensor([entry.logprob for entry in output.prompt_logprobs[1:]])
         assert (got - want).abs().max().item() < MAX_LOGPROB_ERROR, name
 

@@ -210,3 +210,33 @@ def test_saved_modules_are_refused_under_tensor_parallelism(
         assert "tensor parallelism" in refused.error.message
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("source", ["quantized on load", "int8 checkpoint"])
+def test_int8_projections_at_two_ranks_match_one(
+    ray_cluster, tiny_model_factory, peft_adapter_factory, tmp_path, source
+):
+    """int8 projections sharded over two ranks (column-parallel rows keep their scales;
+    a row-parallel shard quantizes its own columns, or reads them from the checkpoint)
+    give the prompt logprobs of one rank within int8 rounding, base and adapter mixed."""
+    from loraplex.tools.quantize import quantize_folder
+
+    base = tiny_model_factory("llama")
+    folder = base if source == "quantized on load" else quantize_folder(base, tmp_path / "w8a8")
+    options = {"quantization": "int8"} if source == "quantized on load" else {}
+    adapter = peft_adapter_factory(base, tmp_path / "qv", target_modules=("q_proj", "o_proj"))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [27, 18, 28, 18, 28, 45, 90, 45] * 3]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    scores = {}
+    for size in (1, 2):
+        llm = LLM(
+            str(folder), dtype="float32", tensor_parallel_size=size, max_model_len=64, **options
+        )
+        try:
+            llm.register_adapter("qv", str(adapter))
+            outputs = llm.generate(prompts, params, adapters=[None, "qv"])
+            scores[size] = [[e.logprob for e in o.prompt_logprobs[1:]] for o in outputs]
+        finally:
+            llm.engine.shutdown()
+    for one, two in zip(scores[1], scores[2], strict=True):
+        assert two == pytest.approx(one, abs=0.05)

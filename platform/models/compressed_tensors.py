@@ -3,7 +3,7 @@ writes and vLLM reads) that the engine serves: int8 weights per output channel,
 symmetric, on the decoder layers' Linear projections, stored as `<proj>.weight` (int8
 [out, in]) and `<proj>.weight_scale` ([out, 1]); the activations either quantized per
 token on the fly (W8A8, `input_activations` int8 dynamic per token) or not quantized
-(W8A16). The LM head stays unquantized (`ignore` lists it).
+(W8A16). The LM head stays unquantized (`ignore` lists it, and only it).
 
 `read_checkpoint_quantization(config)` reads config.json's `quantization_config` and
 names the int8 mode (kernels/int8_matmul.py) the projections run in, or raises
@@ -67,9 +67,10 @@ def read_checkpoint_quantization(config: dict[str, Any]) -> str | None:
         raise ValueError("compressed-tensors output_activations are not served")
     _check_args("weights", group.get("weights"), WEIGHT_ARGS)
     ignored = quantization.get("ignore") or []
-    if "lm_head" not in ignored:
+    if ignored != ["lm_head"]:
         raise ValueError(
-            "a compressed-tensors checkpoint must ignore lm_head (keep it unquantized)"
+            f"compressed-tensors ignore={ignored!r} is not served: every decoder projection "
+            "is int8 and only lm_head stays unquantized (ignore: ['lm_head'])"
         )
     activations = group.get("input_activations")
     if activations is None:

@@ -112,10 +112,11 @@ def unserved(config: dict, edit) -> dict:
             lambda q: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
             "input_activations.dynamic=False",
         ),
-        (lambda q: q.update(ignore=[]), "must ignore lm_head"),
+        (lambda q: q.update(ignore=[]), r"ignore=\[\] is not served"),
+        (lambda q: q.update(ignore=["lm_head", "re:.*down_proj"]), "only lm_head stays"),
         (lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
     ],
-    ids=["method", "format", "int4", "group", "asymmetric", "static", "lm_head", "kv"],
+    ids=["method", "format", "int4", "group", "asymmetric", "static", "lm_head", "more", "kv"],
 )
 def test_what_the_engine_cannot_serve_exactly_is_refused(checkpoints, edit, message):
     config = json.loads((checkpoints["W8A8"] / "config.json").read_text())

@@ -78,13 +78,6 @@ class Int8Weight:
         """`weight` [out, in] quantized per output channel (`quantize_per_channel`)."""
         return cls(*quantize_per_channel(weight), mode, native)
 
-    @property
-    def num_bytes(self) -> int:
-        tensors = [self.quantized, self.scale, self.scale_bf16]
-        if self.quantized_t is not None:
-            tensors.append(self.quantized_t)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.mode == "dynamic" and x.shape[0] > DYNAMIC_MIN_ROWS:
             if self.native:

@@ -254,6 +254,12 @@ class IngressOptions(StrictConfig):
         ge=0,
         description="a stopping ingress replica keeps its streams in flight this long",
     )
+    frame_channel: bool = Field(
+        True,
+        description="model replicas send every step after a call's first as one frame per "
+        "engine step per ingress replica over a socket to it (deployments/wire.py); "
+        "false: each step of each call is its own Ray message",
+    )
 
 
 def default_adapter_root() -> str:

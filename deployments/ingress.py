@@ -60,6 +60,7 @@ from loraplex.deployments.config import (
     model_deployment_name,
 )
 from loraplex.deployments.errors import MAX_BODY_BYTES, OpenAIError, error_response
+from loraplex.deployments.frame_channels import FrameChannels
 from loraplex.deployments.ingress_gate import InFlightGate, set_gate_limit
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import (
@@ -568,6 +569,11 @@ class OpenAIIngress:
             context.app_name, {base: model_deployment_name(base) for base in self.bases}
         )
         self.validator = AdapterValidator(self.servers)
+        self.frames = (
+            FrameChannels(ray.util.get_node_ip_address(), self.metrics.record_frame)
+            if config.ingress.frame_channel
+            else None
+        )
         self._background: set[asyncio.Future] = set()
         """Fire-and-forget calls (adapter prefetches), held so they are not collected."""
         logger.info(
@@ -1101,7 +1107,12 @@ class OpenAIIngress:
         update, an unload) is sent again with the catalog's current version, up to
         `resends` times."""
         handle = self.servers[route.base].options(stream=True, multiplexed_model_id=route.model_id)
-        steps = handle.generate.remote(call)
+        if self.frames is None:
+            steps = handle.generate.remote(call)
+        else:
+            key = self.frames.new_key()
+            framed = dataclasses.replace(call, frames_to=await self.frames.address(), frame_key=key)
+            steps = self.frames.steps(key, handle.generate.remote(framed))
         try:
             first = await self._first_step(route.base, call.request_id, steps)
         except SERVE_REFUSALS as exc:

@@ -244,7 +244,19 @@ class IngressMetrics:
             "Worst-case tokens reserved for a tenant's requests in flight",
             ("tenant",),
         )
+        self.frames = metrics.Counter(
+            "loraplex_ingress_frames_total",
+            "Step frames received from model replicas (one per engine step per replica)",
+        )
+        self.frame_entries = metrics.Counter(
+            "loraplex_ingress_frame_entries_total",
+            "Call entries those frames carried (steps, errors, ends)",
+        )
         self.tenant_label = BoundedLabel()
+
+    def record_frame(self, entries: int) -> None:
+        self.frames.inc(1)
+        self.frame_entries.inc(entries)
 
     def record_usage(self, tenant: str, in_flight: int, reserved: int) -> None:
         """A tenant's rate-limit counters after an admission, settlement or release."""

@@ -5,6 +5,8 @@ Its jobs:
   warm it up before the replica reports ready, so the first burst is served warm;
 - turn a `GenerateCall` (prompt text, token ids or chat messages + sampling params)
   into a stream of `StreamDelta`s: per completion, only what is new since the last one;
+  after the first step, in one frame per engine step to each ingress replica over its
+  frame channel (frame_outbox.py) when the call names one;
 - run the call on the LoRA adapter named by the Serve multiplexed model id (see
   catalog.py): the engine's adapter store is the replica's one host LRU (up to
   `max_cpu_loras` adapters), its copies labelled with their model ids, so a request for
@@ -58,10 +60,12 @@ from loraplex.deployments.admission import AdmissionControl
 from loraplex.deployments.autoscaling import ADAPTERS_IN_DEMAND, HOST_ADAPTER_CAPACITY
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
 from loraplex.deployments.config import ModelDeploymentConfig, model_deployment_name
+from loraplex.deployments.frame_outbox import FrameOutboxes
 from loraplex.deployments.logprobs import TokenTexts
 from loraplex.deployments.logs import send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics, ProcessMemory
 from loraplex.deployments.residency import HEARTBEAT_S, PUBLISH_PERIOD_S, ReplicaResidency
+from loraplex.deployments.step_frames import CALL_END
 from loraplex.deployments.wire import (
     ADAPTER_REPLACED,
     GenerateCall,
@@ -223,6 +227,7 @@ class ModelServer:
         replica = self.place.replica_id()
         self.replica_id = replica
         self.metrics = EngineMetrics(config.name, replica)
+        self.outboxes = FrameOutboxes(replica)
         self.memory = ProcessMemory(model_deployment_name(config.name), replica)
         self.admission = AdmissionControl(
             config.admission_max_wait_s,
@@ -437,7 +442,39 @@ class ModelServer:
         }
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[StreamStep | GenerateError]:
-        """Streams StreamSteps; a GenerateError is the only item when the input is bad."""
+        """Streams StreamSteps; a GenerateError is the only item when the input is bad.
+        A call with `frames_to` gets its first item here, naming this replica, and every
+        later one in its ingress's frames (deployments/frame_outbox.py), while this
+        stream stays open until the request ends."""
+        outbox = None
+        if call.frames_to is not None:
+            outbox = await self.outboxes.open(call.frames_to)
+        if outbox is None:
+            async for item in self._steps(call):
+                yield item
+            return
+        first = True
+        try:
+            async for item in self._steps(call):
+                if first:
+                    first = False
+                    if isinstance(item, StreamStep):
+                        item = dataclasses.replace(item, replica=self.replica_id)
+                    yield item
+                elif not outbox.put(call.frame_key, item):
+                    logger.warning("request %s: its frame channel closed", call.request_id)
+                    yield GenerateError(
+                        503,
+                        "the model replica lost its channel to the ingress; retry",
+                        retry_after_s=1,
+                    )
+                    return
+            if not first:
+                outbox.put(call.frame_key, CALL_END)
+        finally:
+            outbox.call_ended()
+
+    async def _steps(self, call: GenerateCall) -> AsyncIterator[StreamStep | GenerateError]:
         started = time.perf_counter()
         waited_s = time.time() - call.received_at if call.received_at is not None else 0.0
         refusal = self.admission.admit(

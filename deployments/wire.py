@@ -1,6 +1,14 @@
 """The wire between the ingress and a model replica: what a call carries
 (`GenerateCall`) and what streams back (`StreamStep`s of per-completion `StreamDelta`s,
 or a `GenerateError`). Plain frozen dataclasses; both sides import them from here alone.
+
+A call's first item comes back on the call's own Ray stream. A call that names an
+ingress replica's frame channel (`frames_to`) gets everything after it through that
+channel instead: a socket the model replica keeps open to the ingress replica, carrying
+one frame per engine step for all of that ingress's calls (deployments/step_frames.py
+encodes them, deployments/frame_outbox.py sends, deployments/frame_channels.py
+receives). The call's own stream stays open, silent, until the request ends, so Serve
+counts it as ongoing and cancelling it aborts the request.
 """
 
 from __future__ import annotations
@@ -10,6 +18,16 @@ from typing import Any
 
 from loraplex.deployments.logprobs import TokenLogprob
 from loraplex.platform.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class FrameChannelAddress:
+    """Where an ingress replica takes frames: a TCP listener, and the secret a model
+    replica proves it is one of the app's own with (its first line on the socket)."""
+
+    host: str
+    port: int
+    token: str
 
 
 @dataclass(frozen=True)
@@ -46,6 +64,11 @@ class GenerateCall:
     embed: bool = False
     """/v1/embeddings: the prompt is pooled into an embedding and nothing is generated;
     the call's one step carries it (`StreamStep.embedding`)."""
+    frames_to: FrameChannelAddress | None = None
+    """Steps after the first go to this ingress replica's frame channel; None (or a
+    channel the model replica cannot reach): every step on the call's own stream."""
+    frame_key: int = 0
+    """The call's key in its channel's frames (unique per ingress replica)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +101,9 @@ class StreamStep:
     token, the first unscored."""
     embedding: list[float] | None = None
     """The one step of an `embed` call: the prompt's embedding."""
+    replica: str | None = None
+    """On the first step of a call whose later steps travel in frames: the model replica
+    that sends them (its channel failing fails the call)."""
 
 
 ADAPTER_REPLACED = "adapter_replaced"

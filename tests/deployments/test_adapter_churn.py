@@ -19,6 +19,7 @@ import time
 
 import psutil
 import pytest
+import ray
 from test_lora_serving import admin, install
 
 logger = logging.getLogger(__name__)
@@ -36,15 +37,16 @@ the same length): one id left behind per cycle would add kilobytes."""
 
 
 def _process_mib(title: str) -> float:
-    """Resident memory of the one Ray worker whose command line names `title`."""
-    name = f"ray::{title}"
-    found = [
-        p.info["memory_info"].rss
-        for p in psutil.process_iter(["cmdline", "memory_info"])
-        if any(part == name or part.startswith(f"{name}.") for part in (p.info["cmdline"] or ()))
+    """Resident memory of this session cluster's one live actor of class `title`, read
+    from its GCS actor table (other clusters on the machine, such as a parallel
+    worker's, run replicas of the same name)."""
+    pids = [
+        actor["Pid"]
+        for actor in ray.state.actors().values()
+        if actor["ActorClassName"] == title and actor["State"] == "ALIVE"
     ]
-    assert len(found) == 1, (title, len(found))
-    return found[0] / 2**20
+    assert len(pids) == 1, (title, pids)
+    return psutil.Process(pids[0]).memory_info().rss / 2**20
 
 
 def _state(url: str, operator_key: str, model_handles) -> dict[str, float]:

@@ -224,6 +224,9 @@ def test_metrics_endpoint_exposes_engine_adapter_and_tenant_metrics(
         'loraplex_tenant_requests_total{status="200",tenant="acme"}',
         "loraplex_resident_adapters{",
         "loraplex_adapter_load_seconds_count{",
+        # The call's later steps and its end came in a frame (deployments/wire.py).
+        "loraplex_ingress_frames_total{",
+        "loraplex_ingress_frame_entries_total{",
     ]
     deadline = time.monotonic() + 60
     while True:

@@ -45,7 +45,12 @@ def uri_app(serve_setup, tmp_path_factory):
                 {
                     "name": MODEL,
                     "model": str(serve_setup.base),
-                    "engine": {"dtype": "float32", "max_model_len": 128, "max_lora_rank": 8},
+                    "engine": {
+                        "dtype": "float32",
+                        "max_model_len": 128,
+                        "max_lora_rank": 8,
+                        "kv_cache_memory_bytes": 1 << 26,
+                    },
                     "adapters": {name: str(serve_setup.shared[name]) for name in ("sa", "sb")},
                     "server": {"num_cpus": 0.1},
                 }

@@ -169,7 +169,12 @@ def scaling_app(serve_setup, tmp_path_factory):
             {
                 "name": "scaly",
                 "model": str(serve_setup.base),
-                "engine": {"max_model_len": 256, "max_num_seqs": 8, "max_lora_rank": 8},
+                "engine": {
+                    "max_model_len": 256,
+                    "max_num_seqs": 8,
+                    "max_lora_rank": 8,
+                    "kv_cache_memory_bytes": 1 << 26,
+                },
                 "adapters": {"sa": str(serve_setup.shared["sa"])},
                 "server": {
                     "num_cpus": 0.1,
@@ -260,7 +265,12 @@ def zero_app(serve_setup, tmp_path_factory):
             {
                 "name": "sleepy",
                 "model": str(serve_setup.base),
-                "engine": {"dtype": "float32", "max_model_len": 128, "max_lora_rank": 8},
+                "engine": {
+                    "dtype": "float32",
+                    "max_model_len": 128,
+                    "max_lora_rank": 8,
+                    "kv_cache_memory_bytes": 1 << 26,
+                },
                 "server": {
                     "num_cpus": 0.1,
                     "autoscaling_config": {
@@ -329,6 +339,7 @@ def spread_app(serve_setup, tmp_path_factory):
                     "max_lora_rank": 8,
                     "max_loras": 1,
                     "max_cpu_loras": 1,
+                    "kv_cache_memory_bytes": 1 << 26,
                 },
                 "adapters": {name: str(folder) for name, folder in serve_setup.shared.items()},
                 "server": {

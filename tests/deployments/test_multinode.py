@@ -38,7 +38,14 @@ from loraplex.deployments.tenants import hash_key
 KEY = "sk-multinode-test"
 ADAPTER = "mine"
 PROMPT = [5, 6, 7, 8, 9, 10]
-ENGINE = {"dtype": "float32", "max_model_len": 128, "max_lora_rank": 8}
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 128,
+    "max_lora_rank": 8,
+    "kv_cache_memory_bytes": 1 << 26,
+}
+"""Each replica's KV cache is bounded: the default (a tenth of host memory) per replica of two
+clusters at once can reach Ray's memory monitor, which then kills workers."""
 DEPLOY_TIMEOUT_S = 600
 
 

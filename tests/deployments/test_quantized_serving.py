@@ -34,7 +34,12 @@ def int8_app(serve_setup, tmp_path_factory):
             {
                 "name": "tiny-int8",
                 "model": str(folder),
-                "engine": {"dtype": "float32", "max_model_len": 128, "max_loras": 2},
+                "engine": {
+                    "dtype": "float32",
+                    "max_model_len": 128,
+                    "max_loras": 2,
+                    "kv_cache_memory_bytes": 1 << 26,
+                },
                 "adapters": {"sa": str(serve_setup.shared["sa"])},
                 "server": {"num_cpus": 0.05},
             }

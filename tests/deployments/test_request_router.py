@@ -208,6 +208,7 @@ def pair_app(serve_setup, operator_key):
                     "max_loras": 1,
                     "max_cpu_loras": 4,
                     "max_lora_rank": 8,
+                    "kv_cache_memory_bytes": 1 << 26,
                 },
                 "adapters": {n: str(serve_setup.shared[n]) for n in list(serve_setup.shared)[:3]},
                 "server": {"num_cpus": 0.05, "num_replicas": 2},

@@ -51,6 +51,7 @@ def tp_app(serve_setup, tmp_path_factory):
                     "max_lora_rank": 8,
                     "tensor_parallel_size": 2,
                     "distributed_timeout_s": 20,
+                    "kv_cache_memory_bytes": 1 << 26,
                 },
                 "adapters": {"sa": str(serve_setup.shared["sa"])},
                 "server": {"num_cpus": 0.1, "health_check_period_s": 1},

@@ -254,6 +254,15 @@ class IngressOptions(StrictConfig):
         ge=0,
         description="a stopping ingress replica keeps its streams in flight this long",
     )
+    direct_http_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="each ingress replica also serves HTTP itself on this port "
+        "(deployments/direct_http.py): no Serve proxy and no Ray message per request or "
+        "SSE event; None: only through Serve's proxy (http_options)",
+    )
+    direct_http_host: str = Field("127.0.0.1", description="where direct_http_port binds")
     frame_channel: bool = Field(
         True,
         description="model replicas send every step after a call's first as one frame per "

@@ -59,6 +59,7 @@ from loraplex.deployments.config import (
     PlatformConfig,
     model_deployment_name,
 )
+from loraplex.deployments.direct_http import DirectHTTP
 from loraplex.deployments.errors import MAX_BODY_BYTES, OpenAIError, error_response
 from loraplex.deployments.frame_channels import FrameChannels
 from loraplex.deployments.ingress_gate import InFlightGate, set_gate_limit
@@ -569,6 +570,14 @@ class OpenAIIngress:
             context.app_name, {base: model_deployment_name(base) for base in self.bases}
         )
         self.validator = AdapterValidator(self.servers)
+        self.direct_http = None
+        if config.ingress.direct_http_port is not None:
+            self.direct_http = DirectHTTP(
+                app,
+                config.ingress.direct_http_host,
+                config.ingress.direct_http_port,
+                config.ingress.graceful_shutdown_timeout_s,
+            )
         self.frames = (
             FrameChannels(ray.util.get_node_ip_address(), self.metrics.record_frame)
             if config.ingress.frame_channel
@@ -589,6 +598,12 @@ class OpenAIIngress:
                 "AUTHENTICATION IS OFF (auth: none): anyone who reaches this port may use "
                 "every model and register, unload and delete adapters"
             )
+
+    async def __del__(self) -> None:
+        """Serve's shutdown: the replica's own listener (if any) drains its streams."""
+        direct_http = getattr(self, "direct_http", None)
+        if direct_http is not None:
+            await direct_http.aclose()
 
     def _tenant(self, request: Request) -> Tenant:
         try:

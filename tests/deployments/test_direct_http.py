@@ -1,0 +1,110 @@
+"""The ingress serving HTTP itself (`ingress.direct_http_port`, deployments/direct_http.py)
+in a real Serve app of its own beside the session's: the official OpenAI SDK gets the
+same greedy answers on the replica's own port as through Serve's proxy, streamed and
+not, and a client that leaves mid-stream on that port has its request aborted (the
+model replica's KV blocks come back)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+APP, PREFIX = "direct", "/direct"
+PROMPT = [5, 9, 13, 2, 7]
+
+
+@pytest.fixture(scope="module")
+def direct_app(serve_setup, pick_port):
+    """(the proxy's base URL, the ingress's own base URL, the model's handle)."""
+    from ray import serve
+
+    from loraplex.deployments.app import build_app
+
+    port = pick_port()
+    config = {
+        "auth": "none",
+        "models": [
+            {
+                "name": "tiny-direct",
+                "model": str(serve_setup.base),
+                "engine": {
+                    "dtype": "float32",
+                    "max_model_len": 256,
+                    "max_loras": 0,
+                    "kv_cache_memory_bytes": 1 << 26,
+                },
+                "server": {"num_cpus": 0.05},
+                "fault_injection": True,
+            }
+        ],
+        "ingress": {"num_cpus": 0.05, "direct_http_port": port},
+    }
+    serve.run(build_app(config), name=APP, route_prefix=PREFIX)
+    handle = serve.get_deployment_handle("model-tiny-direct", app_name=APP)
+    yield f"{serve_setup.url}{PREFIX}", f"http://127.0.0.1:{port}", handle
+    serve.delete(APP)
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_the_ingress_port_answers_as_the_proxy_does(direct_app):
+    proxied, direct, _ = direct_app
+    answers = []
+    for base_url in (proxied, direct):
+        reply = client(base_url).completions.create(
+            model="tiny-direct", prompt=PROMPT, max_tokens=12, temperature=0
+        )
+        stream = client(base_url).completions.create(
+            model="tiny-direct",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 12
+        answers.append((reply.choices[0].text, streamed))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == answers[0][1]
+    with httpx.Client() as http:
+        assert http.get(f"{direct}/health", timeout=30).status_code == 200
+        models = http.get(f"{direct}/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-direct"]
+
+
+def test_a_client_leaving_mid_stream_on_the_ingress_port_aborts_its_request(direct_app):
+    """Steps slowed to 50 ms: the 240 tokens would take 12 s, the abort frees the
+    request's blocks within a few."""
+    _, direct, handle = direct_app
+    handle.arm_failpoint.remote("engine.delay", delay_s=0.05).result()
+    body = {
+        "model": "tiny-direct",
+        "prompt": PROMPT,
+        "max_tokens": 240,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    try:
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{direct}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                assert handle.replica_info.remote().result()["streams"] == 1
+        left = time.monotonic()
+        while True:
+            info = handle.replica_info.remote().result()
+            if info["streams"] == 0 and info["block_refs"] == 0:
+                break
+            assert time.monotonic() - left < 5, info
+            time.sleep(0.1)
+    finally:
+        handle.disarm_failpoints.remote().result()

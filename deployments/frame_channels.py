@@ -141,8 +141,6 @@ class FrameChannels:
         self._starting: asyncio.Future[asyncio.Server] | None = None
         self._calls: dict[int, CallSteps] = {}
         self._keys = itertools.count(1)
-        self.frames_received = 0
-        self.entries_received = 0
 
     async def address(self) -> FrameChannelAddress:
         if self._starting is None:
@@ -185,8 +183,6 @@ class FrameChannels:
                 return
             while True:
                 entries = decode_frame(await read_framed(reader))
-                self.frames_received += 1
-                self.entries_received += len(entries)
                 if self._on_frame is not None:
                     self._on_frame(len(entries))
                 for key, item in entries:

@@ -1,8 +1,9 @@
 """Native CPU kernels (csrc/cpu_ops.cpp) behind plain Python functions.
 
-The source is compiled once per machine and torch version with torch's C++ extension
-builder (g++ and ninja; `-O3 -march=native`) into
-`$LORAPLEX_CACHE_DIR/torch_extensions/<name>`, where <name> hashes the source, the
+The sources (csrc/cpu_ops.cpp, and csrc/decoder_stack.cpp, which chains those kernels
+and oneDNN's projections into a model's layer loop) are compiled once per machine and
+torch version with torch's C++ extension builder (g++ and ninja; `-O3 -march=native`)
+into `$LORAPLEX_CACHE_DIR/torch_extensions/<name>`, where <name> hashes the sources, the
 torch version, the compiler flags and the CPU, so a cache shared between different
 machines never loads code built for another CPU. The first build takes about 13 s on
 2 cores and logs that it is happening; later processes load the built library in well
@@ -31,7 +32,9 @@ from loraplex.kernels.cache_dir import cache_base
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
+SOURCES = tuple(
+    Path(__file__).resolve().parent / "csrc" / name for name in ("cpu_ops.cpp", "decoder_stack.cpp")
+)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 
 
@@ -49,9 +52,10 @@ def cpu_identity() -> str:
 
 
 def build_name() -> str:
-    """Extension name: changes with the source, torch, the flags and the CPU."""
+    """Extension name: changes with the sources, torch, the flags and the CPU."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+    sources = [source.read_bytes() for source in SOURCES]
+    for part in (*sources, torch.__version__.encode(), " ".join(CFLAGS).encode()):
         digest.update(part)
     digest.update(cpu_identity().encode())
     return f"loraplex_cpu_ops_{digest.hexdigest()[:16]}"
@@ -81,7 +85,7 @@ def load() -> bool:
                 logger.info("building native CPU kernels into %s (once per machine)", folder)
             cpp_extension.load(
                 name=name,
-                sources=[str(SOURCE)],
+                sources=[str(source) for source in SOURCES],
                 extra_cflags=list(CFLAGS),
                 build_directory=str(folder),
                 is_python_module=False,

@@ -69,8 +69,9 @@ class ModelConfig:
     None means every core this process may run on. (Ray sets OMP_NUM_THREADS to an
     actor's whole CPUs, 1 for a replica reserving 0.5: left alone, a served engine
     would compute on one core while the offline one uses all.) On a GPU, decode steps
-    replay CUDA graphs captured when the engine starts (platform/decode_graphs.py);
-    `enforce_eager` runs every step eagerly instead.
+    replay CUDA graphs captured when the engine starts (platform/decode_graphs.py), and
+    on a CPU every step runs the layers as one native call (platform/models/native_stack.py);
+    `enforce_eager` runs the model's Python modules layer by layer instead.
     `quantization` (CPU): 'int8' holds the decoder layers' projections as int8 per
     output channel and multiplies them with activations quantized per token (W8A8,
     dynamic); 'int8_weight_only' keeps the activations in bf16. The embedding table

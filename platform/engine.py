@@ -37,6 +37,7 @@ from loraplex.platform.kv_cache import plan_num_blocks
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.model_runner import AdapterActivationError, ModelRunner
+from loraplex.platform.models.native_stack import NativeDecoderStack
 from loraplex.platform.output_processor import OutputProcessor
 from loraplex.platform.parallel.layout import TPLayout
 from loraplex.platform.pooling import PoolingSpec, read_pooling
@@ -195,9 +196,12 @@ class LLMEngine:
         )
 
     def _capture_graphs(self, model: torch.nn.Module) -> None:
-        """Captures the decode graphs (see `_uses_graphs`) before the first step."""
+        """Captures the decode graphs (see `_uses_graphs`) before the first step; on a
+        CPU, hands the model's layer loop to its native stack unless `enforce_eager`."""
         model.rotary.cover(self.max_model_len)
         self.graph_pool_bytes = 0
+        if self.device.type == "cpu" and not self.config.model.enforce_eager:
+            model.native_stack = NativeDecoderStack.maybe(model)
         if not self._uses_graphs():
             return
         graphs = DecodeGraphs(

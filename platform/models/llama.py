@@ -34,6 +34,7 @@ from loraplex.platform.parallel.layout import TPLayout, split
 
 if TYPE_CHECKING:
     from loraplex.adapters.saved_modules import SavedModuleSlots
+    from loraplex.platform.models.native_stack import NativeDecoderStack
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,9 @@ class LlamaForCausalLM(nn.Module):
         self.saved_modules: SavedModuleSlots | None = None
         """The LoRA slots' own embedding tables (adapters/saved_modules.py), set by
         the rank's builder when LoRA is on."""
+        self.native_stack: NativeDecoderStack | None = None
+        """The layer loop and final norm as one native call on a CPU
+        (platform/models/native_stack.py), set by the engine; None: the Python loop."""
         if arch.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
@@ -221,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = self._embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        if self.native_stack is not None:
+            return self.native_stack(hidden, cos, sin, kv_caches, meta, lora)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, lora)

@@ -18,6 +18,12 @@ run: taken from two runs, their difference drowns in a VM's drift between runs. 
 profiler's cost per operator falls partly outside the operators, so `host` includes
 a little of it. On a GPU the kernels run asynchronously and these figures mean
 nothing: it refuses to run there.
+
+Where the engine runs its layers as one native call (platform/models/native_stack.py),
+each round also runs the same requests through the model's Python layer loop, in the
+same engine, alternating (stack, loop, stack, loop, ...): the report gives both paths
+and the loop/stack ratios. Inside the stack the operators are called from C++, so the
+stack's own cost between them counts as kernel time.
 """
 
 from __future__ import annotations
@@ -39,12 +45,16 @@ from loraplex.tools.engine_bench.offline import (
     read_loadavg,
 )
 
+NATIVE_STACK = "native stack"
+PYTHON_LOOP = "python loop"
+
 
 @dataclass(frozen=True)
 class HostOverhead:
-    """One batch size's figures, per engine step."""
+    """One batch size's figures on one path, per engine step."""
 
     batch: int
+    path: str
     steps: int
     step_us: float
     kernel_us: float
@@ -97,26 +107,53 @@ def operator_seconds(run) -> tuple[int, float, float]:
     return steps, wall, total_us / 1e6
 
 
-def measure(llm, prompts: list[list[int]], output_len: int, rounds: int) -> HostOverhead:
-    """`rounds` timed runs and `rounds` profiled runs of `prompts`, alternating."""
-    _run(llm, prompts, output_len)
-    step_s, kernel_s, host_s = [], [], []
-    steps = 0
-    for _ in range(rounds):
-        started = time.perf_counter()
-        steps = _run(llm, prompts, output_len)
-        step_s.append((time.perf_counter() - started) / steps)
-        profiled_steps, wall, inside = operator_seconds(lambda: _run(llm, prompts, output_len))
-        kernel_s.append(inside / profiled_steps)
-        host_s.append((wall - inside) / profiled_steps)
-    return HostOverhead(
-        batch=len(prompts),
-        steps=steps,
-        step_us=statistics.median(step_s) * 1e6,
-        kernel_us=statistics.median(kernel_s) * 1e6,
-        host_us=statistics.median(host_s) * 1e6,
-        num_layers=llm.engine.arch.num_layers,
-    )
+@dataclass
+class _Samples:
+    step_s: list[float] = field(default_factory=list)
+    kernel_s: list[float] = field(default_factory=list)
+    host_s: list[float] = field(default_factory=list)
+    steps: int = 0
+
+
+def _sample(llm, prompts: list[list[int]], output_len: int, into: _Samples) -> None:
+    """One timed run and one profiled run of `prompts`."""
+    started = time.perf_counter()
+    into.steps = _run(llm, prompts, output_len)
+    into.step_s.append((time.perf_counter() - started) / into.steps)
+    profiled_steps, wall, inside = operator_seconds(lambda: _run(llm, prompts, output_len))
+    into.kernel_s.append(inside / profiled_steps)
+    into.host_s.append((wall - inside) / profiled_steps)
+
+
+def measure(llm, prompts: list[list[int]], output_len: int, rounds: int) -> list[HostOverhead]:
+    """Per path (the native stack where the engine has one, and the Python loop),
+    `rounds` timed and `rounds` profiled runs of `prompts`, the paths alternating."""
+    model = llm.engine.runner.model
+    stack = model.native_stack
+    paths = {NATIVE_STACK: stack, PYTHON_LOOP: None} if stack is not None else {PYTHON_LOOP: None}
+    samples = {path: _Samples() for path in paths}
+    try:
+        for runs_with in paths.values():
+            model.native_stack = runs_with
+            _run(llm, prompts, output_len)
+        for _ in range(rounds):
+            for path, runs_with in paths.items():
+                model.native_stack = runs_with
+                _sample(llm, prompts, output_len, samples[path])
+    finally:
+        model.native_stack = stack
+    return [
+        HostOverhead(
+            batch=len(prompts),
+            path=path,
+            steps=got.steps,
+            step_us=statistics.median(got.step_s) * 1e6,
+            kernel_us=statistics.median(got.kernel_s) * 1e6,
+            host_us=statistics.median(got.host_s) * 1e6,
+            num_layers=llm.engine.arch.num_layers,
+        )
+        for path, got in samples.items()
+    ]
 
 
 def run_host_bench(
@@ -148,7 +185,7 @@ def run_host_bench(
     pool = normal_token_ids(llm.tokenizer, model_vocab_size(folder))
     for batch in batches:
         workload = build_workload(pool, batch, prompt_len, output_len, seed)
-        report.rows.append(measure(llm, workload.prompts, output_len, rounds))
+        report.rows += measure(llm, workload.prompts, output_len, rounds)
     report.load_after = read_loadavg()
     return report
 
@@ -162,12 +199,24 @@ def format_host_report(report: HostReport) -> str:
         f"{machine.torch_version} on {machine.torch_threads} threads; "
         f"loadavg {report.load_before} -> {report.load_after}",
         "",
-        "| batch | steps | step (us) | kernels (us) | host (us/step) | host (us/layer) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| batch | path | steps | step (us) | kernels (us) | host (us/step) | host (us/layer) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in report.rows:
         lines.append(
-            f"| {row.batch} | {row.steps} | {row.step_us:,.0f} | {row.kernel_us:,.0f} | "
-            f"{row.host_us:,.0f} | {row.host_us_per_layer:,.1f} |"
+            f"| {row.batch} | {row.path} | {row.steps} | {row.step_us:,.0f} | "
+            f"{row.kernel_us:,.0f} | {row.host_us:,.0f} | {row.host_us_per_layer:,.1f} |"
         )
+    by_key = {(row.batch, row.path): row for row in report.rows}
+    ratios = []
+    for (batch, path), stack in by_key.items():
+        loop = by_key.get((batch, PYTHON_LOOP))
+        if path == NATIVE_STACK and loop is not None:
+            ratios.append(
+                f"batch {batch}: host {stack.host_us / loop.host_us:.2f}x the loop's, "
+                f"step {stack.step_us / loop.step_us:.2f}x"
+            )
+    if ratios:
+        lines += ["", "native stack against the python loop, same engine, alternating: "]
+        lines[-1] += "; ".join(ratios)
     return "\n".join(lines) + "\n"

@@ -8,6 +8,8 @@ import time
 import torch
 
 from loraplex.tools.engine_bench.host_overhead import (
+    NATIVE_STACK,
+    PYTHON_LOOP,
     format_host_report,
     operator_seconds,
     run_host_bench,
@@ -24,13 +26,19 @@ def test_host_bench_on_a_tiny_model(tiny_model_factory):
         rounds=1,
         engine_options={"max_model_len": 64},
     )
-    assert [row.batch for row in report.rows] == [1, 4]
+    assert [(row.batch, row.path) for row in report.rows] == [
+        (1, NATIVE_STACK),
+        (1, PYTHON_LOOP),
+        (4, NATIVE_STACK),
+        (4, PYTHON_LOOP),
+    ]
     for row in report.rows:
         assert row.steps == 5, "one prefill step, then a decode step per further token"
         assert row.kernel_us > 0 and row.host_us > 0
         assert row.host_us_per_layer == row.host_us / row.num_layers
     text = format_host_report(report)
-    assert "| 4 | 5 |" in text
+    assert "| 4 | python loop | 5 |" in text
+    assert "batch 4: host" in text
 
 
 def test_operator_seconds_counts_python_calls_not_nested_ones():

@@ -1,0 +1,237 @@
+// The decoder layers of a Llama-family model in one native call: the CPU engine's
+// counterpart of a captured decode graph (kernels/cpu_ops.py `decoder_stack`).
+//
+// Why: at batch 1 a CPU step spends about a fifth of its time in Python between the
+// operators (module calls, attribute lookups, views, splits), some 100 us per layer.
+// This loop calls the same operators in the same order from C++, so its output is the
+// Python path's bit for bit and the step pays one Python call for all layers.
+//
+// It holds no kernels of its own: the projections go to oneDNN's prepacked linear
+// (or at::linear), everything else to the loraplex_cpu ops of cpu_ops.cpp, reached
+// through the dispatcher by typed handles looked up once.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string_view>
+
+namespace {
+
+using at::Tensor;
+
+using RmsNormFn = void(const Tensor&, const std::optional<Tensor>&, const Tensor&, double, Tensor,
+                       std::optional<Tensor>);
+using SiluAndMulFn = Tensor(const Tensor&);
+using RotaryWriteKvFn = void(Tensor, Tensor, const Tensor&, const Tensor&, const Tensor&, Tensor,
+                             const Tensor&);
+using AttentionFn = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                         Tensor);
+using LoraAddFn = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                       const Tensor&, int64_t);
+using PackedLinearFn = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                              std::string_view, c10::List<std::optional<at::Scalar>>,
+                              std::optional<std::string_view>);
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+// The operators a layer calls, looked up on first use (both libraries are registered
+// by then: this one is loaded with cpu_ops.cpp, and mkldnn's with torch).
+struct Ops {
+  c10::TypedOperatorHandle<RmsNormFn> rms_norm = typed_op<RmsNormFn>("loraplex_cpu::rms_norm");
+  c10::TypedOperatorHandle<SiluAndMulFn> silu_and_mul =
+      typed_op<SiluAndMulFn>("loraplex_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<RotaryWriteKvFn> rotary_write_kv =
+      typed_op<RotaryWriteKvFn>("loraplex_cpu::rotary_write_kv");
+  c10::TypedOperatorHandle<AttentionFn> attention =
+      typed_op<AttentionFn>("loraplex_cpu::paged_decode_attention");
+  c10::TypedOperatorHandle<LoraAddFn> lora_add = typed_op<LoraAddFn>("loraplex_cpu::lora_add");
+  c10::TypedOperatorHandle<PackedLinearFn> packed_linear =
+      typed_op<PackedLinearFn>("mkldnn::_linear_pointwise");
+
+  static const Ops& get() {
+    static const Ops ops;
+    return ops;
+  }
+};
+
+// One step's inputs that every layer reads.
+struct StepInputs {
+  const Tensor& cos;
+  const Tensor& sin;
+  const Tensor& slot_mapping;
+  int64_t num_decodes;
+  const Tensor& decode_tables;
+  const Tensor& decode_lens;
+  const Tensor& prefill_tables;
+  const Tensor& prefill_lens;
+  const Tensor& token_slots;  // empty: no adapter in this step
+  const Tensor& slot_ranks;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+};
+
+// The model's projections in the order of `weights`: per layer qkv, o, gate_up, down.
+constexpr int64_t kProjections = 4;
+
+class Stack {
+ public:
+  Stack(const Ops& ops, const StepInputs& in, at::TensorList weights,
+        const c10::List<std::optional<Tensor>>& biases, bool packed, at::TensorList lora_a,
+        at::TensorList lora_b, at::IntArrayRef lora_slices)
+      : ops_(ops), in_(in), weights_(weights), biases_(biases), packed_(packed),
+        lora_a_(lora_a), lora_b_(lora_b), lora_slices_(lora_slices) {}
+
+  // x [T, in] -> [T, out]: projection `index` (layer * 4 + kind) with its LoRA deltas.
+  Tensor project(int64_t index, const Tensor& x) const {
+    const std::optional<Tensor> bias = biases_.get(index);
+    Tensor out = packed_ ? ops_.packed_linear.call(x.contiguous(), weights_[index], bias, "none",
+                                                   c10::List<std::optional<at::Scalar>>(),
+                                                   std::string_view(""))
+                         : at::linear(x, weights_[index], bias);
+    if (in_.token_slots.defined() && in_.token_slots.numel() > 0 && !lora_a_.empty()) {
+      ops_.lora_add.call(out, x, lora_a_[index], lora_b_[index], in_.token_slots, in_.slot_ranks,
+                         lora_slices_[index % kProjections]);
+    }
+    return out;
+  }
+
+  // (normed, new residual): `residual` undefined on the first layer, whose residual
+  // stream is its input.
+  std::pair<Tensor, Tensor> norm(const Tensor& x, const Tensor& residual,
+                                 const Tensor& weight) const {
+    Tensor out = at::empty_like(x);
+    if (!residual.defined()) {
+      ops_.rms_norm.call(x, std::nullopt, weight, in_.eps, out, std::nullopt);
+      return {out, x};
+    }
+    Tensor residual_out = at::empty_like(x);
+    ops_.rms_norm.call(x, residual, weight, in_.eps, out, residual_out);
+    return {out, residual_out};
+  }
+
+  // normed [T, hidden] -> attention output projected by o: [T, hidden].
+  Tensor attention(int64_t layer, const Tensor& normed, const Tensor& kv_cache) const {
+    const int64_t tokens = normed.size(0);
+    const int64_t q_size = in_.num_heads * in_.head_dim;
+    const int64_t kv_size = in_.num_kv_heads * in_.head_dim;
+    const Tensor qkv = project(layer * kProjections, normed);
+    Tensor q = qkv.narrow(1, 0, q_size).view({tokens, in_.num_heads, in_.head_dim});
+    Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, in_.num_kv_heads, in_.head_dim});
+    Tensor v =
+        qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, in_.num_kv_heads, in_.head_dim});
+    ops_.rotary_write_kv.call(q, k, v, in_.cos, in_.sin, kv_cache, in_.slot_mapping);
+    Tensor out = at::empty(q.sizes(), q.options());
+    const int64_t decodes = in_.num_decodes;
+    if (decodes > 0) {
+      ops_.attention.call(q.narrow(0, 0, decodes), kv_cache, in_.decode_tables, in_.decode_lens,
+                          in_.scale, out.narrow(0, 0, decodes));
+    }
+    if (tokens > decodes) {
+      ops_.attention.call(q.narrow(0, decodes, tokens - decodes), kv_cache, in_.prefill_tables,
+                          in_.prefill_lens, in_.scale, out.narrow(0, decodes, tokens - decodes));
+    }
+    return project(layer * kProjections + 1, out.view({tokens, q_size}));
+  }
+
+  // normed [T, hidden] -> down(silu(gate) * up): [T, hidden].
+  Tensor mlp(int64_t layer, const Tensor& normed) const {
+    const Tensor gate_up = project(layer * kProjections + 2, normed);
+    return project(layer * kProjections + 3, ops_.silu_and_mul.call(gate_up));
+  }
+
+ private:
+  const Ops& ops_;
+  const StepInputs& in_;
+  at::TensorList weights_;
+  const c10::List<std::optional<Tensor>>& biases_;
+  bool packed_;
+  at::TensorList lora_a_, lora_b_;
+  at::IntArrayRef lora_slices_;
+};
+
+// Semantics: equal (bit for bit) to LlamaForCausalLM's layer loop and final norm on the
+// 'cpu' kernel backend, one rank:
+//   residual = hidden
+//   per layer l:  normed, residual = rms_norm(hidden, residual, norm_weights[2l])
+//                 q, k, v = split(proj(4l, normed)); rotate q, k; write k, v to the cache
+//                 attn = paged attention of the decodes (decode_tables / decode_lens)
+//                        and of the prefill tokens (prefill_tables / prefill_lens)
+//                 hidden = proj(4l + 1, attn)
+//                 normed, residual = rms_norm(hidden, residual, norm_weights[2l + 1])
+//                 hidden = proj(4l + 3, silu_and_mul(proj(4l + 2, normed)))
+//   returns rms_norm(hidden, residual, norm_weights[2L])[0]   [T, hidden]
+// where proj(i, x) = x @ W_i.T + b_i (+ each token's LoRA delta: lora_add with
+// lora_a[i], lora_b[i], lora_slices[i % 4] when token_slots is not empty).
+// hidden [T, hidden] (the embedded tokens); cos / sin [T, Dh/2]; norm_weights [2L + 1];
+// weights [4L] (oneDNN-prepacked when `packed`, else [out, in]); biases [4L] (None: no
+// bias); kv_caches [L] of [2, N, Hkv, B, Dh]; slot_mapping [T] int64; the first
+// num_decodes tokens are decodes, the rest prefill tokens, each with its block table
+// row and key count ([D, W] / [D] and [T - D, W] / [T - D] int64); lora_a / lora_b [4L]
+// or empty; token_slots [T] int64 or empty; slot_ranks [max_loras] int64 or empty;
+// head_shape = (heads, kv heads, head dim).
+Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
+                     at::TensorList norm_weights, at::TensorList weights,
+                     const c10::List<std::optional<Tensor>>& biases, bool packed,
+                     at::TensorList kv_caches, const Tensor& slot_mapping, int64_t num_decodes,
+                     const Tensor& decode_tables, const Tensor& decode_lens,
+                     const Tensor& prefill_tables, const Tensor& prefill_lens,
+                     at::TensorList lora_a, at::TensorList lora_b, at::IntArrayRef lora_slices,
+                     const Tensor& token_slots, const Tensor& slot_ranks,
+                     at::IntArrayRef head_shape, double eps, double scale) {
+  const int64_t layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, hidden]");
+  TORCH_CHECK(static_cast<int64_t>(norm_weights.size()) == 2 * layers + 1,
+              "norm_weights: two per layer and the final norm");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kProjections * layers &&
+                  static_cast<int64_t>(biases.size()) == kProjections * layers,
+              "weights / biases: four projections per layer");
+  TORCH_CHECK(lora_a.size() == lora_b.size() && (lora_a.empty() || lora_a.size() == weights.size()),
+              "lora_a / lora_b: none, or one per projection");
+  TORCH_CHECK(lora_slices.size() == kProjections, "lora_slices: one per projection kind");
+  TORCH_CHECK(head_shape.size() == 3, "head_shape = (heads, kv heads, head dim)");
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= hidden.size(0), "num_decodes out of range");
+  TORCH_CHECK(!token_slots.defined() || token_slots.numel() == 0 ||
+                  token_slots.numel() == hidden.size(0),
+              "token_slots: none, or one per token");
+  const StepInputs in{cos, sin, slot_mapping, num_decodes, decode_tables, decode_lens,
+                      prefill_tables, prefill_lens, token_slots, slot_ranks, head_shape[0],
+                      head_shape[1], head_shape[2], eps, scale};
+  const Ops& ops = Ops::get();
+  const Stack stack(ops, in, weights, biases, packed, lora_a, lora_b, lora_slices);
+  Tensor x = hidden;
+  Tensor residual;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    auto [normed, res] = stack.norm(x, residual, norm_weights[2 * layer]);
+    const Tensor attended = stack.attention(layer, normed, kv_caches[layer]);
+    auto [post, res2] = stack.norm(attended, res, norm_weights[2 * layer + 1]);
+    x = stack.mlp(layer, post);
+    residual = res2;
+  }
+  return stack.norm(x, residual, norm_weights[2 * layers]).first;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
+  m.def("decoder_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norm_weights, "
+        "Tensor[] weights, Tensor?[] biases, bool packed, Tensor(a!)[] kv_caches, "
+        "Tensor slot_mapping, int num_decodes, Tensor decode_tables, Tensor decode_lens, "
+        "Tensor prefill_tables, Tensor prefill_lens, Tensor[] lora_a, Tensor[] lora_b, "
+        "int[] lora_slices, Tensor token_slots, Tensor slot_ranks, int[] head_shape, "
+        "float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
+  m.impl("decoder_stack", &decoder_stack);
+}
+
+// oneDNN's prepacked weights are MkldnnCPU tensors, and the dispatcher routes a call
+// by its arguments' highest key: the same kernel serves both.
+TORCH_LIBRARY_IMPL(loraplex_cpu, MkldnnCPU, m) {
+  m.impl("decoder_stack", &decoder_stack);
+}

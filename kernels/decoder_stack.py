@@ -1,0 +1,119 @@
+"""A Llama-family model's decoder layers in one native call on a CPU
+(csrc/decoder_stack.cpp): what a captured decode graph is on a GPU.
+
+Semantics of `decoder_stack` (every operator as the Python layer loop on the 'cpu'
+backend calls it, in the same order, so the result is that loop's bit for bit):
+
+    residual = hidden
+    per layer l:  normed, residual = rms_norm(hidden, residual)
+                  q, k, v = split(qkv(normed)); rotate q and k; write k, v to the cache
+                  attn = paged attention (decodes, then prefill tokens as decodes)
+                  hidden = o(attn)
+                  normed, residual = rms_norm(hidden, residual)
+                  hidden = down(silu_and_mul(gate_up(normed)))
+    -> rms_norm(hidden, residual)[0]                                   [T, hidden]
+
+where each projection is x @ W.T + b plus, when the step has adapters, each token's
+LoRA delta (cpu_ops.lora_add over that projection's slots).
+
+Shapes: hidden [T, hidden] contiguous (the embedded tokens); cos / sin [T, Dh/2];
+kv_caches [L] of [2, N, Hkv, B, Dh]; the first `num_decodes` tokens are decodes with
+block tables [D, W] and key counts [D], the rest prefill tokens with a table row and key
+count each ([T - D, W], [T - D], as backends.prefill_rows_as_decodes builds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.kernels import cpu_ops
+
+PROJECTIONS_PER_LAYER = 4
+"""qkv, o, gate_up, down: the order of `StackWeights.weights` within a layer."""
+
+
+@dataclass(frozen=True)
+class StackWeights:
+    """What the stack reads of the model, gathered once."""
+
+    norm_weights: list[torch.Tensor]
+    """[2L + 1]: each layer's input and post-attention norm, then the final norm."""
+    weights: list[torch.Tensor]
+    """[4L]: oneDNN-prepacked weights when `packed`, else [out, in] weights."""
+    biases: list[torch.Tensor | None]
+    packed: bool
+    head_shape: tuple[int, int, int]
+    """(query heads, kv heads, head dim)."""
+    eps: float
+    scale: float
+    """Attention's softmax scale."""
+
+
+@dataclass(frozen=True)
+class StackAttention:
+    """One step's cache writes and per-token attention tables."""
+
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    prefill_tables: torch.Tensor
+    prefill_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StackLoRA:
+    """One step's adapters: each projection's slots and each token's slot."""
+
+    lora_a: list[torch.Tensor]
+    """[4L] fp32 A slots [max_loras, R, in]."""
+    lora_b: list[torch.Tensor]
+    """[4L] fp32 rank-major B slots [max_loras, out, R]."""
+    slices: tuple[int, int, int, int]
+    """Output slices of qkv, o, gate_up, down (3, 1, 2, 1)."""
+    token_slots: torch.Tensor
+    """[T] int64, -1: base model."""
+    slot_ranks: torch.Tensor
+    """[max_loras] int64 rank per slot, or empty (every column)."""
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def decoder_stack(
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layers: StackWeights,
+    kv_caches: list[torch.Tensor],
+    attention: StackAttention,
+    lora: StackLoRA | None,
+) -> torch.Tensor:
+    """The model's layers and final norm over `hidden` (see the module docstring);
+    writes the step's K/V into `kv_caches` and returns the normed hidden [T, hidden]."""
+    return cpu_ops.ops().decoder_stack(
+        hidden,
+        cos,
+        sin,
+        layers.norm_weights,
+        layers.weights,
+        layers.biases,
+        layers.packed,
+        kv_caches,
+        attention.slot_mapping,
+        attention.num_decodes,
+        attention.decode_tables,
+        attention.decode_lens,
+        attention.prefill_tables,
+        attention.prefill_lens,
+        lora.lora_a if lora is not None else [],
+        lora.lora_b if lora is not None else [],
+        list(lora.slices) if lora is not None else [3, 1, 2, 1],
+        lora.token_slots if lora is not None else _EMPTY,
+        lora.slot_ranks if lora is not None else _EMPTY,
+        list(layers.head_shape),
+        layers.eps,
+        layers.scale,
+    )

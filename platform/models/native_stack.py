@@ -1,0 +1,159 @@
+"""The CPU engine's decoder layers as one native call (kernels/decoder_stack.py).
+
+A batch-1 CPU step spent about a fifth of its time in Python between operators: module
+calls, attribute lookups, splits and views, some 100 us per layer. `NativeDecoderStack`
+gathers a `LlamaForCausalLM`'s norm weights, prepacked projections and LoRA slots once,
+and each forward hands the whole layer loop to C++, which calls the same operators in
+the same order (its output is the Python loop's bit for bit). Every step runs it:
+decodes and prefill chunks alike, with or without adapters in the batch.
+
+The model keeps its Python loop where the stack does not apply (`unsupported_reason`):
+another kernel backend, tensor parallelism, int8 projections, or half-precision weights
+this CPU widens to fp32 for its matmuls. `enforce_eager: true` keeps it everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.backends import prefill_rows_as_decodes
+from loraplex.kernels.cpu_matmul import PackedWeight, cpu_lacks_half_matmul
+from loraplex.kernels.decoder_stack import (
+    StackAttention,
+    StackLoRA,
+    StackWeights,
+    decoder_stack,
+)
+from loraplex.kernels.lora import LoRABatch
+from loraplex.platform.layers.linear import MergedLinear
+from loraplex.platform.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_EMPTY_TABLE = torch.empty(0, 0, dtype=torch.int64)
+_EMPTY_LENS = torch.empty(0, dtype=torch.int64)
+
+
+def _projections(model: LlamaForCausalLM) -> list[MergedLinear]:
+    """Per layer: qkv, o, gate_up, down (the stack's order)."""
+    result: list[MergedLinear] = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        result += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return result
+
+
+def unsupported_reason(model: LlamaForCausalLM) -> str | None:
+    """Why `model` must keep its Python layer loop, or None when the stack runs it."""
+    if type(model) is not LlamaForCausalLM:
+        return f"no native stack for {type(model).__name__}"
+    if model.kernels != "cpu":
+        return f"the {model.kernels!r} kernel backend"
+    if model.layout.sharded or model.group.size > 1:
+        return "tensor parallelism"
+    projections = _projections(model)
+    packed = [p.packed for p in projections]
+    if all(isinstance(p, PackedWeight) for p in packed):
+        pass
+    elif any(p is not None for p in packed):
+        return "int8 (or mixed) projections"
+    elif cpu_lacks_half_matmul(model.dtype):
+        return f"{model.dtype} matmuls widened to fp32 on this CPU"
+    norms = [
+        n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+    ]
+    if len({n.eps for n in [*norms, model.norm]}) != 1:
+        return "norms with different eps"
+    return None
+
+
+class NativeDecoderStack:
+    """`model`'s layers and final norm through `kernels.decoder_stack`."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        projections = _projections(model)
+        packed = projections[0].packed is not None
+        norms: list[torch.Tensor] = []
+        for layer in model.layers:
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        attention = model.layers[0].self_attn
+        self._projections = projections
+        self._weights = StackWeights(
+            norm_weights=[*norms, model.norm.weight],
+            weights=[p.packed.packed if packed else p.weight for p in projections],
+            biases=[p.bias for p in projections],
+            packed=packed,
+            head_shape=(attention.num_heads, attention.num_kv_heads, attention.head_dim),
+            eps=model.norm.eps,
+            scale=attention.attn.scale,
+        )
+        self._lora_slots: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @classmethod
+    def maybe(cls, model: LlamaForCausalLM) -> NativeDecoderStack | None:
+        """The stack for `model`, or None (logged) where it keeps its Python loop."""
+        reason = unsupported_reason(model)
+        if reason is not None:
+            logger.info("decoder layers run layer by layer in Python: %s", reason)
+            return None
+        return cls(model)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        lora: LoRABatch | None,
+    ) -> torch.Tensor:
+        """hidden [T, hidden] embedded tokens, cos / sin [T, 1, Dh/2] -> the final
+        norm's output [T, hidden], as `LlamaForCausalLM.forward`'s layer loop."""
+        return decoder_stack(
+            hidden.contiguous(),
+            cos.squeeze(1),
+            sin.squeeze(1),
+            self._weights,
+            kv_caches,
+            self._attention(meta),
+            self._lora(lora),
+        )
+
+    @staticmethod
+    def _attention(meta: AttentionMetadata) -> StackAttention:
+        tables, lens = (
+            prefill_rows_as_decodes(meta) if meta.num_prefills else (_EMPTY_TABLE, _EMPTY_LENS)
+        )
+        return StackAttention(
+            slot_mapping=meta.slot_mapping,
+            num_decodes=meta.num_decode_tokens,
+            decode_tables=meta.decode_block_tables,
+            decode_lens=meta.decode_seq_lens,
+            prefill_tables=tables,
+            prefill_lens=lens,
+        )
+
+    def _lora(self, batch: LoRABatch | None) -> StackLoRA | None:
+        """The step's adapters, or None where every token runs the base model. The
+        slots are allocated once with the model's LoRA and written in place, so their
+        tensors are gathered on the first step that uses them."""
+        if batch is None or batch.empty or self._projections[0].lora is None:
+            return None
+        if self._lora_slots is None:
+            self._lora_slots = (
+                [p.lora.a for p in self._projections],
+                [p.lora.b for p in self._projections],
+            )
+        first = self._projections[:4]
+        return StackLoRA(
+            lora_a=self._lora_slots[0],
+            lora_b=self._lora_slots[1],
+            slices=tuple(p.lora.num_slices for p in first),
+            token_slots=batch.token_slots,
+            slot_ranks=batch.slot_rank_tensor
+            if batch.slot_rank_tensor is not None
+            else _EMPTY_LENS,
+        )

@@ -14,7 +14,9 @@ backend calls it, in the same order, so the result is that loop's bit for bit):
     -> rms_norm(hidden, residual)[0]                                   [T, hidden]
 
 where each projection is x @ W.T + b plus, when the step has adapters, each token's
-LoRA delta (cpu_ops.lora_add over that projection's slots).
+LoRA delta (cpu_ops.lora_add over that projection's slots). The product is oneDNN's
+prepacked linear, F.linear, or an int8 one as `Int8Weight` computes it
+(kernels/int8_matmul.py: W8A8 past DYNAMIC_MIN_ROWS rows, else weight-only in bf16).
 
 Shapes: hidden [T, hidden] contiguous (the embedded tokens); cos / sin [T, Dh/2];
 kv_caches [L] of [2, N, Hkv, B, Dh]; the first `num_decodes` tokens are decodes with
@@ -29,9 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.kernels import cpu_ops
+from loraplex.kernels.int8_matmul import DYNAMIC_MIN_ROWS
 
 PROJECTIONS_PER_LAYER = 4
-"""qkv, o, gate_up, down: the order of `StackWeights.weights` within a layer."""
+"""qkv, o, gate_up, down: the order of the projections within a layer."""
+PROJECTION_KINDS = ("packed", "plain", "int8_dynamic", "int8_weight_only")
+"""How the projections multiply; see `StackWeights.weights`."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +45,13 @@ class StackWeights:
 
     norm_weights: list[torch.Tensor]
     """[2L + 1]: each layer's input and post-attention norm, then the final norm."""
+    projection: str
+    """One of PROJECTION_KINDS."""
     weights: list[torch.Tensor]
-    """[4L]: oneDNN-prepacked weights when `packed`, else [out, in] weights."""
+    """'packed': [4L] oneDNN-prepacked weights; 'plain': [4L] of [out, in]; int8: [16L],
+    per projection q [out, in] int8, q.T [in, out] ('int8_dynamic'; else empty), and
+    its per-channel scales [out] in fp32 and bf16."""
     biases: list[torch.Tensor | None]
-    packed: bool
     head_shape: tuple[int, int, int]
     """(query heads, kv heads, head dim)."""
     eps: float
@@ -100,7 +108,8 @@ def decoder_stack(
         layers.norm_weights,
         layers.weights,
         layers.biases,
-        layers.packed,
+        layers.projection,
+        DYNAMIC_MIN_ROWS,
         kv_caches,
         attention.slot_mapping,
         attention.num_decodes,

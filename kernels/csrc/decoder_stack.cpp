@@ -6,9 +6,10 @@
 // This loop calls the same operators in the same order from C++, so its output is the
 // Python path's bit for bit and the step pays one Python call for all layers.
 //
-// It holds no kernels of its own: the projections go to oneDNN's prepacked linear
-// (or at::linear), everything else to the loraplex_cpu ops of cpu_ops.cpp, reached
-// through the dispatcher by typed handles looked up once.
+// It holds no kernels of its own: the projections go to oneDNN's prepacked linear,
+// at::linear, or the int8 products of kernels/int8_matmul.py; everything else to the
+// loraplex_cpu ops of cpu_ops.cpp, reached through the dispatcher by typed handles
+// looked up once.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -30,6 +31,9 @@ using AttentionFn = void(const Tensor&, const Tensor&, const Tensor&, const Tens
                          Tensor);
 using LoraAddFn = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                        const Tensor&, int64_t);
+using QuantizeRowsFn = void(const Tensor&, Tensor&, Tensor&);
+using DequantizeFn = void(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                          Tensor&);
 using PackedLinearFn = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
                               std::string_view, c10::List<std::optional<at::Scalar>>,
                               std::optional<std::string_view>);
@@ -50,6 +54,10 @@ struct Ops {
   c10::TypedOperatorHandle<AttentionFn> attention =
       typed_op<AttentionFn>("loraplex_cpu::paged_decode_attention");
   c10::TypedOperatorHandle<LoraAddFn> lora_add = typed_op<LoraAddFn>("loraplex_cpu::lora_add");
+  c10::TypedOperatorHandle<QuantizeRowsFn> quantize_rows =
+      typed_op<QuantizeRowsFn>("loraplex_cpu::quantize_rows_int8");
+  c10::TypedOperatorHandle<DequantizeFn> dequantize =
+      typed_op<DequantizeFn>("loraplex_cpu::dequantize_int32");
   c10::TypedOperatorHandle<PackedLinearFn> packed_linear =
       typed_op<PackedLinearFn>("mkldnn::_linear_pointwise");
 
@@ -78,21 +86,70 @@ struct StepInputs {
 // The model's projections in the order of `weights`: per layer qkv, o, gate_up, down.
 constexpr int64_t kProjections = 4;
 
+// How the projections multiply (kernels/cpu_matmul.py, kernels/int8_matmul.py).
+enum class Projection { kPacked, kPlain, kInt8Dynamic, kInt8WeightOnly };
+
+// Tensors per projection in `weights`: W; or for int8, q [out, in], q.T [in, out]
+// (dynamic; empty for weight-only), scale [out] fp32, scale [out] bf16.
+constexpr int64_t kInt8Tensors = 4;
+
+Projection parse_projection(std::string_view name) {
+  if (name == "packed") return Projection::kPacked;
+  if (name == "plain") return Projection::kPlain;
+  if (name == "int8_dynamic") return Projection::kInt8Dynamic;
+  TORCH_CHECK(name == "int8_weight_only", "unknown projection kind ", name);
+  return Projection::kInt8WeightOnly;
+}
+
 class Stack {
  public:
   Stack(const Ops& ops, const StepInputs& in, at::TensorList weights,
-        const c10::List<std::optional<Tensor>>& biases, bool packed, at::TensorList lora_a,
-        at::TensorList lora_b, at::IntArrayRef lora_slices)
-      : ops_(ops), in_(in), weights_(weights), biases_(biases), packed_(packed),
-        lora_a_(lora_a), lora_b_(lora_b), lora_slices_(lora_slices) {}
+        const c10::List<std::optional<Tensor>>& biases, Projection kind,
+        int64_t dynamic_min_rows, at::TensorList lora_a, at::TensorList lora_b,
+        at::IntArrayRef lora_slices)
+      : ops_(ops), in_(in), weights_(weights), biases_(biases), kind_(kind),
+        dynamic_min_rows_(dynamic_min_rows), lora_a_(lora_a), lora_b_(lora_b),
+        lora_slices_(lora_slices) {}
 
-  // x [T, in] -> [T, out]: projection `index` (layer * 4 + kind) with its LoRA deltas.
-  Tensor project(int64_t index, const Tensor& x) const {
+  // x [T, in] -> x @ W.T + b [T, out] for projection `index` (layer * 4 + kind).
+  Tensor linear(int64_t index, const Tensor& x) const {
     const std::optional<Tensor> bias = biases_.get(index);
-    Tensor out = packed_ ? ops_.packed_linear.call(x.contiguous(), weights_[index], bias, "none",
-                                                   c10::List<std::optional<at::Scalar>>(),
-                                                   std::string_view(""))
-                         : at::linear(x, weights_[index], bias);
+    switch (kind_) {
+      case Projection::kPacked:
+        return ops_.packed_linear.call(x.contiguous(), weights_[index], bias, "none",
+                                       c10::List<std::optional<at::Scalar>>(),
+                                       std::string_view(""));
+      case Projection::kPlain:
+        return at::linear(x, weights_[index], bias);
+      default:
+        return int8_linear(&weights_[index * kInt8Tensors], x, bias);
+    }
+  }
+
+  // Int8Weight.__call__ with the native ops: W8A8 past `dynamic_min_rows` rows, else
+  // the weight-only product with bf16 activations.
+  Tensor int8_linear(const Tensor* w, const Tensor& x, const std::optional<Tensor>& bias) const {
+    if (kind_ == Projection::kInt8Dynamic && x.size(0) > dynamic_min_rows_) {
+      const Tensor xc = x.contiguous();
+      Tensor quantized = at::empty(xc.sizes(), xc.options().dtype(at::kChar));
+      Tensor row_scales = at::empty({xc.size(0), 1}, xc.options().dtype(at::kFloat));
+      ops_.quantize_rows.call(xc, quantized, row_scales);
+      const Tensor acc = at::_int_mm(quantized, w[1]);
+      Tensor out = at::empty(acc.sizes(), x.options());
+      ops_.dequantize.call(acc, row_scales, w[2], bias, out);
+      return out;
+    }
+    Tensor out = at::_weight_int8pack_mm(x.to(at::kBFloat16).contiguous(), w[0], w[3]);
+    out = out.to(x.scalar_type());
+    if (bias.has_value()) {
+      out += *bias;
+    }
+    return out;
+  }
+
+  // x [T, in] -> [T, out]: projection `index` with its LoRA deltas.
+  Tensor project(int64_t index, const Tensor& x) const {
+    Tensor out = linear(index, x);
     if (in_.token_slots.defined() && in_.token_slots.numel() > 0 && !lora_a_.empty()) {
       ops_.lora_add.call(out, x, lora_a_[index], lora_b_[index], in_.token_slots, in_.slot_ranks,
                          lora_slices_[index % kProjections]);
@@ -149,7 +206,8 @@ class Stack {
   const StepInputs& in_;
   at::TensorList weights_;
   const c10::List<std::optional<Tensor>>& biases_;
-  bool packed_;
+  Projection kind_;
+  int64_t dynamic_min_rows_;
   at::TensorList lora_a_, lora_b_;
   at::IntArrayRef lora_slices_;
 };
@@ -166,17 +224,21 @@ class Stack {
 //                 hidden = proj(4l + 3, silu_and_mul(proj(4l + 2, normed)))
 //   returns rms_norm(hidden, residual, norm_weights[2L])[0]   [T, hidden]
 // where proj(i, x) = x @ W_i.T + b_i (+ each token's LoRA delta: lora_add with
-// lora_a[i], lora_b[i], lora_slices[i % 4] when token_slots is not empty).
+// lora_a[i], lora_b[i], lora_slices[i % 4] when token_slots is not empty), multiplied as
+// `projection` says: "packed" (weights [4L] prepacked by oneDNN), "plain" ([4L] of
+// [out, in]), "int8_dynamic" / "int8_weight_only" (weights [16L]: per projection q
+// [out, in] int8, q.T [in, out] (empty for weight-only), scale [out] fp32 and bf16; the
+// dynamic product takes more than `dynamic_min_rows` rows, as kernels/int8_matmul.py).
 // hidden [T, hidden] (the embedded tokens); cos / sin [T, Dh/2]; norm_weights [2L + 1];
-// weights [4L] (oneDNN-prepacked when `packed`, else [out, in]); biases [4L] (None: no
-// bias); kv_caches [L] of [2, N, Hkv, B, Dh]; slot_mapping [T] int64; the first
+// biases [4L] (None: no bias); kv_caches [L] of [2, N, Hkv, B, Dh]; slot_mapping [T] int64; the first
 // num_decodes tokens are decodes, the rest prefill tokens, each with its block table
 // row and key count ([D, W] / [D] and [T - D, W] / [T - D] int64); lora_a / lora_b [4L]
 // or empty; token_slots [T] int64 or empty; slot_ranks [max_loras] int64 or empty;
 // head_shape = (heads, kv heads, head dim).
 Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
                      at::TensorList norm_weights, at::TensorList weights,
-                     const c10::List<std::optional<Tensor>>& biases, bool packed,
+                     const c10::List<std::optional<Tensor>>& biases,
+                     std::string_view projection, int64_t dynamic_min_rows,
                      at::TensorList kv_caches, const Tensor& slot_mapping, int64_t num_decodes,
                      const Tensor& decode_tables, const Tensor& decode_lens,
                      const Tensor& prefill_tables, const Tensor& prefill_lens,
@@ -187,11 +249,15 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, hidden]");
   TORCH_CHECK(static_cast<int64_t>(norm_weights.size()) == 2 * layers + 1,
               "norm_weights: two per layer and the final norm");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kProjections * layers &&
+  const Projection kind = parse_projection(projection);
+  const bool int8 = kind == Projection::kInt8Dynamic || kind == Projection::kInt8WeightOnly;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) ==
+                      kProjections * layers * (int8 ? kInt8Tensors : 1) &&
                   static_cast<int64_t>(biases.size()) == kProjections * layers,
               "weights / biases: four projections per layer");
-  TORCH_CHECK(lora_a.size() == lora_b.size() && (lora_a.empty() || lora_a.size() == weights.size()),
-              "lora_a / lora_b: none, or one per projection");
+  TORCH_CHECK(lora_a.size() == lora_b.size(), "lora_a / lora_b: as many of each");
+  TORCH_CHECK(lora_a.empty() || static_cast<int64_t>(lora_a.size()) == kProjections * layers,
+              "lora_a / lora_b: one per projection");
   TORCH_CHECK(lora_slices.size() == kProjections, "lora_slices: one per projection kind");
   TORCH_CHECK(head_shape.size() == 3, "head_shape = (heads, kv heads, head dim)");
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= hidden.size(0), "num_decodes out of range");
@@ -202,7 +268,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
                       prefill_tables, prefill_lens, token_slots, slot_ranks, head_shape[0],
                       head_shape[1], head_shape[2], eps, scale};
   const Ops& ops = Ops::get();
-  const Stack stack(ops, in, weights, biases, packed, lora_a, lora_b, lora_slices);
+  const Stack stack(ops, in, weights, biases, kind, dynamic_min_rows, lora_a, lora_b,
+                    lora_slices);
   Tensor x = hidden;
   Tensor residual;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -219,7 +286,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
 
 TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
   m.def("decoder_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norm_weights, "
-        "Tensor[] weights, Tensor?[] biases, bool packed, Tensor(a!)[] kv_caches, "
+        "Tensor[] weights, Tensor?[] biases, str projection, int dynamic_min_rows, "
+        "Tensor(a!)[] kv_caches, "
         "Tensor slot_mapping, int num_decodes, Tensor decode_tables, Tensor decode_lens, "
         "Tensor prefill_tables, Tensor prefill_lens, Tensor[] lora_a, Tensor[] lora_b, "
         "int[] lora_slices, Tensor token_slots, Tensor slot_ranks, int[] head_shape, "

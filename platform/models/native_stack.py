@@ -7,9 +7,11 @@ and each forward hands the whole layer loop to C++, which calls the same operato
 the same order (its output is the Python loop's bit for bit). Every step runs it:
 decodes and prefill chunks alike, with or without adapters in the batch.
 
-The model keeps its Python loop where the stack does not apply (`unsupported_reason`):
-another kernel backend, tensor parallelism, int8 projections, or half-precision weights
-this CPU widens to fp32 for its matmuls. `enforce_eager: true` keeps it everywhere.
+The projections may be oneDNN-prepacked, plain or int8 (`quantization`). The model
+keeps its Python loop where the stack does not apply (`unsupported_reason`): another
+kernel backend, tensor parallelism, a mix of projection kinds, or half-precision
+weights this CPU widens to fp32 for its matmuls. `enforce_eager: true` keeps it
+everywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from loraplex.kernels.decoder_stack import (
     StackWeights,
     decoder_stack,
 )
+from loraplex.kernels.int8_matmul import Int8Weight
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.layers.linear import MergedLinear
 from loraplex.platform.models.llama import LlamaForCausalLM
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 _EMPTY_TABLE = torch.empty(0, 0, dtype=torch.int64)
 _EMPTY_LENS = torch.empty(0, dtype=torch.int64)
+_EMPTY_INT8 = torch.empty(0, 0, dtype=torch.int8)
 
 
 def _projections(model: LlamaForCausalLM) -> list[MergedLinear]:
@@ -54,13 +58,10 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
         return f"the {model.kernels!r} kernel backend"
     if model.layout.sharded or model.group.size > 1:
         return "tensor parallelism"
-    projections = _projections(model)
-    packed = [p.packed for p in projections]
-    if all(isinstance(p, PackedWeight) for p in packed):
-        pass
-    elif any(p is not None for p in packed):
-        return "int8 (or mixed) projections"
-    elif cpu_lacks_half_matmul(model.dtype):
+    kind = _projection_kind(_projections(model))
+    if kind is None:
+        return "projections of different kinds"
+    if kind == "plain" and cpu_lacks_half_matmul(model.dtype):
         return f"{model.dtype} matmuls widened to fp32 on this CPU"
     norms = [
         n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
@@ -70,12 +71,41 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
     return None
 
 
+def _projection_kind(projections: list[MergedLinear]) -> str | None:
+    """The stack's name for how every projection multiplies, or None for a mix (or
+    int8 products without the native ops)."""
+    products = [p.packed for p in projections]
+    if all(isinstance(p, PackedWeight) for p in products):
+        return "packed"
+    if all(p is None for p in products):
+        return "plain"
+    if all(isinstance(p, Int8Weight) and p.native for p in products):
+        modes = {p.mode for p in products}
+        if len(modes) == 1:
+            return f"int8_{modes.pop()}"
+    return None
+
+
+def _weights(kind: str, projections: list[MergedLinear]) -> list[torch.Tensor]:
+    """`StackWeights.weights` for projections of `kind`."""
+    if kind == "packed":
+        return [p.packed.packed for p in projections]
+    if kind == "plain":
+        return [p.weight for p in projections]
+    weights: list[torch.Tensor] = []
+    for p in projections:
+        int8 = p.packed
+        transposed = int8.quantized_t if int8.quantized_t is not None else _EMPTY_INT8
+        weights += [int8.quantized, transposed, int8.scale, int8.scale_bf16]
+    return weights
+
+
 class NativeDecoderStack:
     """`model`'s layers and final norm through `kernels.decoder_stack`."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         projections = _projections(model)
-        packed = projections[0].packed is not None
+        kind = _projection_kind(projections)
         norms: list[torch.Tensor] = []
         for layer in model.layers:
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -83,9 +113,9 @@ class NativeDecoderStack:
         self._projections = projections
         self._weights = StackWeights(
             norm_weights=[*norms, model.norm.weight],
-            weights=[p.packed.packed if packed else p.weight for p in projections],
+            projection=kind,
+            weights=_weights(kind, projections),
             biases=[p.bias for p in projections],
-            packed=packed,
             head_shape=(attention.num_heads, attention.num_kv_heads, attention.head_dim),
             eps=model.norm.eps,
             scale=attention.attn.scale,

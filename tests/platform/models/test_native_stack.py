@@ -4,7 +4,9 @@ one with `enforce_eager` (the loop) give the same tokens and bit-identical logpr
 
 The steps mix decodes with prefill chunks (a 24-token budget splits the long prompts),
 base-model rows with two PEFT adapters of different ranks and targets, and a model with
-q/k/v biases (Qwen2); fp32 always, and bf16 where this CPU multiplies it natively.
+q/k/v biases (Qwen2); fp32 always, bf16 where this CPU multiplies it natively, and the
+int8 projections (W8A8 on the prefill steps' rows, weight-only on the small decode
+batches).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from loraplex.kernels.cpu_matmul import cpu_lacks_half_matmul
+from loraplex.kernels.int8_matmul import DYNAMIC_MIN_ROWS
 from loraplex.kernels.selection import KERNEL_BACKEND_ENV
 from loraplex.platform.llm import LLM
 from loraplex.platform.models.native_stack import NativeDecoderStack, unsupported_reason
@@ -46,10 +49,11 @@ def adapters_for(tiny_model_factory, tmp_path_factory, peft_adapter_factory):
     return get
 
 
-def build(base, folders, dtype: str, enforce_eager: bool) -> LLM:
+def build(base, folders, dtype: str, enforce_eager: bool, quantization: str | None = None) -> LLM:
     llm = LLM(
         str(base),
         dtype=dtype,
+        quantization=quantization,
         max_model_len=128,
         max_num_batched_tokens=24,
         max_lora_rank=8,
@@ -101,11 +105,26 @@ def test_stack_equals_the_python_loop(adapters_for, kind, dtype):
     assert all(len(tokens) == 10 for tokens, _ in got)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int8_weight_only"])
+def test_int8_stack_equals_the_python_loop(adapters_for, quantization):
+    base, folders = adapters_for("llama")
+    native = build(base, folders, "float32", enforce_eager=False, quantization=quantization)
+    model = native.engine.runner.model
+    assert model.native_stack is not None
+    rows = []
+    stack = model.native_stack
+    model.native_stack = lambda *args: rows.append(args[0].shape[0]) or stack(*args)
+    got = generate(native)
+    want = generate(build(base, folders, "float32", True, quantization))
+    assert got == want
+    assert max(rows) > DYNAMIC_MIN_ROWS >= min(rows), "both int8 products ran"
+
+
 def test_where_the_python_loop_stays(tiny_model_factory, monkeypatch):
     base = tiny_model_factory("llama")
-    quantized = LLM(str(base), dtype="float32", max_model_len=64, quantization="int8")
-    assert quantized.engine.runner.model.native_stack is None
-    assert "int8" in unsupported_reason(quantized.engine.runner.model)
+    eager = LLM(str(base), dtype="float32", max_model_len=64, enforce_eager=True)
+    assert eager.engine.runner.model.native_stack is None
+    assert unsupported_reason(eager.engine.runner.model) is None
     monkeypatch.setenv(KERNEL_BACKEND_ENV, "torch")
     plain = LLM(str(base), dtype="float32", max_model_len=64)
     assert plain.engine.runner.model.native_stack is None

@@ -272,10 +272,11 @@ class CpuBackend(TorchBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Every token through the native paged kernel: a prefill token at position a
-        attends like a decode of length a + 1 over its sequence's block table (its
-        chunk's K/V are already in the cache), so chunks with and without cached prefix
-        need no gather, and CPU SDPA's slow small-chunk shapes are avoided."""
+        """Decodes through the native paged decode kernel, prefill chunks through its
+        prefill kernel: tiles of a chunk's tokens share each K/V block of the sequence
+        where it lies in the cache (its chunk's K/V are already there), so chunks with
+        and without cached prefix need no gather, and CPU SDPA's slow small-chunk
+        shapes are avoided."""
         out = q.new_empty(q.shape)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
@@ -288,9 +289,15 @@ class CpuBackend(TorchBackend):
                 out[:num_decodes],
             )
         if meta.num_prefills:
-            tables, lens = prefill_rows_as_decodes(meta)
-            self._ops.paged_decode_attention(
-                q[num_decodes:], kv_cache, tables, lens, scale, out[num_decodes:]
+            query_lens, seq_lens = prefill_lens(meta)
+            self._ops.paged_prefill_attention(
+                q[num_decodes:],
+                kv_cache,
+                meta.prefill_block_tables,
+                query_lens,
+                seq_lens,
+                scale,
+                out[num_decodes:],
             )
         return out
 
@@ -391,21 +398,16 @@ class TritonBackend(TorchBackend):
             triton_add_lora(out, x, stack.a, stack.b, batch)
 
 
-_PREFILL_TABLES = "cpu_prefill_tables"
 _PREFILL_LENS = "cpu_prefill_lens"
 
 
-def prefill_rows_as_decodes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per prefill token: its sequence's block table row [Tp, W] and the number of keys
-    it sees [Tp] (position + 1), computed once per step (in `meta.cache`)."""
-    if _PREFILL_TABLES not in meta.cache:
+def prefill_lens(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's prefill query lengths and sequence lengths as int64 tensors [P], made
+    once per step (in `meta.cache`)."""
+    if _PREFILL_LENS not in meta.cache:
         device = meta.prefill_block_tables.device
-        query_lens = torch.tensor(meta.prefill_query_lens, dtype=torch.int64, device=device)
-        seq_lens = torch.tensor(meta.prefill_seq_lens, dtype=torch.int64, device=device)
-        tables = meta.prefill_block_tables.repeat_interleave(query_lens, dim=0)
-        first_lens = (seq_lens - query_lens + 1).repeat_interleave(query_lens)
-        chunk_starts = (query_lens.cumsum(0) - query_lens).repeat_interleave(query_lens)
-        index = torch.arange(int(query_lens.sum()), device=device)
-        meta.cache[_PREFILL_TABLES] = tables
-        meta.cache[_PREFILL_LENS] = first_lens + index - chunk_starts
-    return meta.cache[_PREFILL_TABLES], meta.cache[_PREFILL_LENS]
+        meta.cache[_PREFILL_LENS] = torch.tensor(
+            [meta.prefill_query_lens, meta.prefill_seq_lens], dtype=torch.int64, device=device
+        )
+    lens = meta.cache[_PREFILL_LENS]
+    return lens[0], lens[1]

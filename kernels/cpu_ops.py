@@ -127,6 +127,28 @@ def paged_decode_attention(
     return out
 
 
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Semantics: prefill chunk p holds query_lens[p] consecutive tokens of q (chunks in
+    order), the last at position seq_lens[p] - 1; its token at position a gets
+    out[t, h] = softmax(scale * q[t, h] . K_p[0..a, h // G]) @ V_p[0..a, h // G], every
+    K/V already in the cache: `paged_decode_attention` of each token as a decode of
+    length a + 1, up to fp32 summation order, computed over tiles of 16 tokens that
+    share each K/V block.
+
+    q [Tp, H, Dh] (contiguous last dim); kv_cache [2, N, Hkv, B, Dh]; block_tables
+    [P, W], query_lens / seq_lens [P] int64; out [Tp, H, Dh] is written and returned."""
+    ops().paged_prefill_attention(q, kv_cache, block_tables, query_lens, seq_lens, scale, out)
+    return out
+
+
 def rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ backend calls it, in the same order, so the result is that loop's bit for bit):
     residual = hidden
     per layer l:  normed, residual = rms_norm(hidden, residual)
                   q, k, v = split(qkv(normed)); rotate q and k; write k, v to the cache
-                  attn = paged attention (decodes, then prefill tokens as decodes)
+                  attn = paged attention (decodes, then prefill chunks)
                   hidden = o(attn)
                   normed, residual = rms_norm(hidden, residual)
                   hidden = down(silu_and_mul(gate_up(normed)))
@@ -20,8 +20,8 @@ prepacked linear, F.linear, or an int8 one as `Int8Weight` computes it
 
 Shapes: hidden [T, hidden] contiguous (the embedded tokens); cos / sin [T, Dh/2];
 kv_caches [L] of [2, N, Hkv, B, Dh]; the first `num_decodes` tokens are decodes with
-block tables [D, W] and key counts [D], the rest prefill tokens with a table row and key
-count each ([T - D, W], [T - D], as backends.prefill_rows_as_decodes builds them).
+block tables [D, W] and key counts [D], the rest the prefill chunks, with a block table
+[P, W], query length and sequence length [P] per chunk (backends.prefill_lens).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class StackAttention:
     decode_tables: torch.Tensor
     decode_lens: torch.Tensor
     prefill_tables: torch.Tensor
-    prefill_lens: torch.Tensor
+    prefill_query_lens: torch.Tensor
+    prefill_seq_lens: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ def decoder_stack(
         attention.decode_tables,
         attention.decode_lens,
         attention.prefill_tables,
-        attention.prefill_lens,
+        attention.prefill_query_lens,
+        attention.prefill_seq_lens,
         lora.lora_a if lora is not None else [],
         lora.lora_b if lora is not None else [],
         list(lora.slices) if lora is not None else [3, 1, 2, 1],

@@ -427,6 +427,355 @@ void paged_decode_attention(const Tensor& q, const Tensor& kv_cache, const Tenso
   });
 }
 
+// ---------------------------------------------------------------- prefill attention
+
+// A prefill chunk's tokens of one sequence share its block table and see growing
+// prefixes of the same keys. Read as decodes (one work item per token), each K row is
+// dotted with G query rows and each dot ends in a horizontal sum. Here a work item is a
+// tile of up to kPrefillTile consecutive tokens of one sequence and one kv head: each K
+// block is transposed once into [Dh, B] and every query row of the tile takes its B
+// scores at once (a broadcast query element times a row of B keys: no horizontal
+// sums), then each V row is added into every row of the tile that sees it.
+constexpr int64_t kPrefillTile = 16;
+constexpr int64_t kScoreRows = 8;  // query rows scored together (independent FMA chains)
+constexpr int64_t kLanes = 16;     // keys scored together (one AVX-512 register)
+
+// Where one tile reads and writes (fp32 scratch of its thread).
+struct PrefillTile {
+  const float* query;     // [rows_padded, Dh], scaled; padding rows are 0
+  float* scores;          // [rows_padded, stride]
+  float* acc;             // [rows, Dh]
+  float* keys_t;          // [Dh, keys_stride]: one K block transposed, 0 past its rows
+  const int64_t* row_len; // keys each row sees
+  int64_t rows, rows_padded, stride, head_dim, keys_stride;
+};
+
+// scores[r, start + j] = query[r] . K[j] for the block in keys_t, j < keys_stride.
+void score_block_generic(const PrefillTile& t, int64_t start) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    if (t.row_len[r] <= start) {
+      continue;
+    }
+    float* out = t.scores + r * t.stride + start;
+    const float* qr = t.query + r * t.head_dim;
+    for (int64_t j = 0; j < t.keys_stride; ++j) {
+      out[j] = 0.0f;
+    }
+    for (int64_t e = 0; e < t.head_dim; ++e) {
+      const float qe = qr[e];
+      const float* kt = t.keys_t + e * t.keys_stride;
+#pragma omp simd
+      for (int64_t j = 0; j < t.keys_stride; ++j) {
+        out[j] += qe * kt[j];
+      }
+    }
+  }
+}
+
+// acc[r] += sum_j scores[r, start + j] * V[j] over the keys row r sees in this block.
+void add_values_generic(const PrefillTile& t, int64_t start, int64_t valid, const float* values) {
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t seen = std::min(valid, t.row_len[r] - start);
+    const float* probs = t.scores + r * t.stride + start;
+    float* ar = t.acc + r * t.head_dim;
+    for (int64_t j = 0; j < seen; ++j) {
+      const float p = probs[j];
+      const float* vj = values + j * t.head_dim;
+#pragma omp simd
+      for (int64_t e = 0; e < t.head_dim; ++e) {
+        ar[e] += p * vj[e];
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// score_block_generic for head_dim = 16 * CHUNKS: kScoreRows rows at a time, each a
+// chain of Dh fused multiply-adds of a broadcast query element and 16 keys.
+template <int CHUNKS>
+void score_block_avx512(const PrefillTile& t, int64_t start) {
+  constexpr int64_t D = 16 * CHUNKS;
+  for (int64_t r0 = 0; r0 < t.rows; r0 += kScoreRows) {
+    if (t.row_len[r0] <= start && t.row_len[std::min(r0 + kScoreRows, t.rows) - 1] <= start) {
+      continue;
+    }
+    const float* q0 = t.query + r0 * D;
+    for (int64_t j0 = 0; j0 < t.keys_stride; j0 += kLanes) {
+      __m512 acc[kScoreRows];
+      for (int64_t i = 0; i < kScoreRows; ++i) {
+        acc[i] = _mm512_setzero_ps();
+      }
+      for (int64_t e = 0; e < D; ++e) {
+        const __m512 kt = _mm512_loadu_ps(t.keys_t + e * t.keys_stride + j0);
+        for (int64_t i = 0; i < kScoreRows; ++i) {
+          acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q0[i * D + e]), kt, acc[i]);
+        }
+      }
+      for (int64_t i = 0; i < kScoreRows; ++i) {
+        _mm512_storeu_ps(t.scores + (r0 + i) * t.stride + start + j0, acc[i]);
+      }
+    }
+  }
+}
+
+// add_values_generic for head_dim = 16 * CHUNKS: each row's accumulator in registers.
+template <typename T, int CHUNKS>
+void add_values_avx512(const PrefillTile& t, int64_t start, int64_t valid, const T* values) {
+  constexpr int64_t D = 16 * CHUNKS;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t seen = std::min(valid, t.row_len[r] - start);
+    if (seen <= 0) {
+      continue;
+    }
+    const float* probs = t.scores + r * t.stride + start;
+    float* ar = t.acc + r * D;
+    __m512 acc[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) {
+      acc[c] = _mm512_loadu_ps(ar + 16 * c);
+    }
+    for (int64_t j = 0; j < seen; ++j) {
+      const __m512 p = _mm512_set1_ps(probs[j]);
+      for (int c = 0; c < CHUNKS; ++c) {
+        acc[c] = _mm512_fmadd_ps(p, load16(values + j * D + 16 * c), acc[c]);
+      }
+    }
+    for (int c = 0; c < CHUNKS; ++c) {
+      _mm512_storeu_ps(ar + 16 * c, acc[c]);
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+// fast_exp of 16 lanes, the same operations in the same order (bit for bit).
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 shifter = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), shifter), shifter);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r),
+                    _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// softmax_rows for one row of `len` scores (its buffer padded to a multiple of 16).
+inline void softmax_row(float* row, int64_t len, float* inv_sum) {
+#if defined(__AVX512F__)
+  const int64_t full = len / 16 * 16;
+  __m512 peak16 = _mm512_set1_ps(row[0]);
+  for (int64_t t = 0; t < full; t += 16) {
+    peak16 = _mm512_max_ps(peak16, _mm512_loadu_ps(row + t));
+  }
+  float peak = _mm512_reduce_max_ps(peak16);
+  for (int64_t t = full; t < len; ++t) {
+    peak = std::max(peak, row[t]);
+  }
+  const __m512 peak_v = _mm512_set1_ps(peak);
+  __m512 sum16 = _mm512_setzero_ps();
+  for (int64_t t = 0; t < full; t += 16) {
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), peak_v));
+    _mm512_storeu_ps(row + t, e);
+    sum16 = _mm512_add_ps(sum16, e);
+  }
+  float sum = _mm512_reduce_add_ps(sum16);
+  for (int64_t t = full; t < len; ++t) {
+    row[t] = fast_exp(row[t] - peak);
+    sum += row[t];
+  }
+  *inv_sum = 1.0f / sum;
+#else
+  softmax_rows(row, 1, len, len, inv_sum);
+#endif
+}
+
+template <typename T>
+void score_block(const PrefillTile& t, int64_t start) {
+#if defined(__AVX512F__)
+  if (t.keys_stride % kLanes == 0 && t.rows_padded % kScoreRows == 0) {
+    switch (t.head_dim) {
+      case 64:
+        return score_block_avx512<4>(t, start);
+      case 128:
+        return score_block_avx512<8>(t, start);
+    }
+  }
+#endif
+  score_block_generic(t, start);
+}
+
+template <typename T>
+void add_values(const PrefillTile& t, int64_t start, int64_t valid, const T* block,
+                float* block_tmp) {
+#if defined(__AVX512F__)
+  switch (t.head_dim) {
+    case 64:
+      return add_values_avx512<T, 4>(t, start, valid, block);
+    case 128:
+      return add_values_avx512<T, 8>(t, start, valid, block);
+  }
+#endif
+  add_values_generic(t, start, valid, as_floats(block, block_tmp, valid * t.head_dim));
+}
+
+template <typename T>
+void prefill_attention_kernel(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+                              const Tensor& query_lens, const Tensor& seq_lens, double scale,
+                              Tensor& out) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), num_kv_heads = kv_cache.size(2);
+  const int64_t block_size = kv_cache.size(3);
+  const int64_t groups = num_heads / num_kv_heads, width = block_tables.size(1);
+  const int64_t num_seqs = query_lens.size(0);
+  const int64_t block_elems = block_size * head_dim;
+  const T* q_data = q.data_ptr<T>();
+  const T* k_base = kv_cache.data_ptr<T>();
+  const T* v_base = k_base + num_blocks * num_kv_heads * block_elems;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* qlens = query_lens.data_ptr<int64_t>();
+  const int64_t* slens = seq_lens.data_ptr<int64_t>();
+  T* out_data = out.data_ptr<T>();
+  // Work items: (tile, kv head); a tile is up to kPrefillTile tokens of one sequence.
+  std::vector<int64_t> item_seq, item_first, first_token(num_seqs);
+  int64_t tokens = 0, max_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(qlens[s] >= 1 && qlens[s] <= slens[s] && slens[s] <= width * block_size,
+                "prefill ", s, ": query_len ", qlens[s], ", seq_len ", slens[s],
+                " (at most ", width * block_size, ")");
+    first_token[s] = tokens;
+    for (int64_t t = 0; t < qlens[s]; t += kPrefillTile) {
+      item_seq.push_back(s);
+      item_first.push_back(t);
+    }
+    tokens += qlens[s];
+    max_len = std::max(max_len, slens[s]);
+  }
+  TORCH_CHECK(tokens == q.size(0), "query_lens sum to ", tokens, " but q has ", q.size(0),
+              " tokens");
+  const float fscale = static_cast<float>(scale);
+  const int64_t keys_stride = (block_size + kLanes - 1) / kLanes * kLanes;
+  const int64_t stride = (max_len + block_size - 1) / block_size * block_size + keys_stride;
+  const int64_t max_rows = kPrefillTile * groups;
+  const int64_t rows_capacity = (max_rows + kScoreRows - 1) / kScoreRows * kScoreRows;
+  const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(rows_capacity * head_dim), acc(max_rows * head_dim);
+    std::vector<float> scores(rows_capacity * stride), inv_sum(max_rows);
+    std::vector<float> keys_t(head_dim * keys_stride), block_tmp(block_elems);
+    std::vector<int64_t> row_len(rows_capacity);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t seq = item_seq[tile], first = item_first[tile];
+      const int64_t count = std::min(kPrefillTile, qlens[seq] - first);
+      const int64_t rows = count * groups;
+      const int64_t rows_padded = (rows + kScoreRows - 1) / kScoreRows * kScoreRows;
+      const int64_t* table = tables + seq * width;
+      // Row r = i * G + g: token first + i of the chunk, query head kv_head * G + g; it
+      // sees keys 0 .. its position. Padding rows see none.
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t token = first_token[seq] + first + i;
+        const int64_t len = slens[seq] - qlens[seq] + first + i + 1;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r = i * groups + g;
+          row_len[r] = len;
+          const T* src = q_data + token * q.stride(0) + (kv_head * groups + g) * q.stride(1);
+          for (int64_t e = 0; e < head_dim; ++e) {
+            query[r * head_dim + e] = load_f(src + e) * fscale;
+          }
+        }
+      }
+      std::fill(query.begin() + rows * head_dim, query.begin() + rows_padded * head_dim, 0.0f);
+      std::fill(row_len.begin() + rows, row_len.begin() + rows_padded, int64_t{0});
+      const PrefillTile t{query.data(), scores.data(), acc.data(), keys_t.data(), row_len.data(),
+                          rows, rows_padded, stride, head_dim, keys_stride};
+      const int64_t tile_len = row_len[rows - 1];
+      for (int64_t start = 0; start < tile_len; start += block_size) {
+        const int64_t valid = std::min(block_size, tile_len - start);
+        const T* block =
+            k_base + (table[start / block_size] * num_kv_heads + kv_head) * block_elems;
+        const float* keys = as_floats(block, block_tmp.data(), valid * head_dim);
+        for (int64_t e = 0; e < head_dim; ++e) {
+          float* kt = keys_t.data() + e * keys_stride;
+          for (int64_t j = 0; j < keys_stride; ++j) {
+            kt[j] = j < valid ? keys[j * head_dim + e] : 0.0f;
+          }
+        }
+        score_block<T>(t, start);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        softmax_row(scores.data() + r * stride, row_len[r], inv_sum.data() + r);
+      }
+      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.0f);
+      for (int64_t start = 0; start < tile_len; start += block_size) {
+        const int64_t valid = std::min(block_size, tile_len - start);
+        const T* block =
+            v_base + (table[start / block_size] * num_kv_heads + kv_head) * block_elems;
+        add_values<T>(t, start, valid, block, block_tmp.data());
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t token = first_token[seq] + first + i;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r = i * groups + g;
+          T* dst = out_data + token * out.stride(0) + (kv_head * groups + g) * out.stride(1);
+          for (int64_t e = 0; e < head_dim; ++e) {
+            store_f(dst + e, acc[r * head_dim + e] * inv_sum[r]);
+          }
+        }
+      }
+    }
+  });
+}
+
+// Semantics: for the prefill chunk of sequence p (query_lens[p] tokens, the last at
+// position seq_lens[p] - 1; chunks in order, their tokens contiguous in q), token i of
+// the chunk at position a = seq_lens[p] - query_lens[p] + i:
+//   out[t, h] = softmax(scale * q[t, h] . K_p[0..a, h // G]) @ V_p[0..a, h // G]
+// with every K/V already in the cache, read through block_tables[p]. The same as
+// paged_decode_attention over each token as a decode of length a + 1, up to fp32
+// summation order.
+// q [Tp, H, Dh] (last dim contiguous); kv_cache [2, N, Hkv, B, Dh] contiguous;
+// block_tables [P, W], query_lens / seq_lens [P] int64; out [Tp, H, Dh] (last dim
+// contiguous), written in place.
+void paged_prefill_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+                             const Tensor& query_lens, const Tensor& seq_lens, double scale,
+                             Tensor out) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 &&
+                  query_lens.dim() == 1 && seq_lens.dim() == 1,
+              "expected q [Tp, H, Dh], kv_cache [2, N, Hkv, B, Dh], block_tables [P, W], "
+              "query_lens / seq_lens [P]");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need a contiguous last dim");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, kv_cache and out must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_lens.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong,
+              "block_tables, query_lens and seq_lens must be int64");
+  TORCH_CHECK(q.size(1) % kv_cache.size(2) == 0, "query heads not a multiple of kv heads");
+  TORCH_CHECK(q.size(2) == kv_cache.size(4) && out.sizes() == q.sizes(), "shape mismatch");
+  TORCH_CHECK(block_tables.size(0) == query_lens.size(0) && seq_lens.size(0) == query_lens.size(0),
+              "one block table row, query length and sequence length per prefill");
+  if (q.size(0) == 0) {
+    return;
+  }
+  const Tensor tables = block_tables.contiguous();
+  const Tensor qlens = query_lens.contiguous();
+  const Tensor slens = seq_lens.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
+    prefill_attention_kernel<scalar_t>(q, kv_cache, tables, qlens, slens, scale, out);
+  });
+}
+
 // ---------------------------------------------------------------- RMSNorm + residual
 
 template <typename T>
@@ -994,6 +1343,8 @@ void dequantize_int32(const Tensor& acc, const Tensor& row_scales, const Tensor&
 TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+  m.def("paged_prefill_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor query_lens, Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor(a!) out, "
         "Tensor(b!)? residual_out) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -1008,6 +1359,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
 
 TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_write_kv", &rotary_write_kv);

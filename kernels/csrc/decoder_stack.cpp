@@ -29,6 +29,8 @@ using RotaryWriteKvFn = void(Tensor, Tensor, const Tensor&, const Tensor&, const
                              const Tensor&);
 using AttentionFn = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
                          Tensor);
+using PrefillAttentionFn = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, double, Tensor);
 using LoraAddFn = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                        const Tensor&, int64_t);
 using QuantizeRowsFn = void(const Tensor&, Tensor&, Tensor&);
@@ -53,6 +55,8 @@ struct Ops {
       typed_op<RotaryWriteKvFn>("loraplex_cpu::rotary_write_kv");
   c10::TypedOperatorHandle<AttentionFn> attention =
       typed_op<AttentionFn>("loraplex_cpu::paged_decode_attention");
+  c10::TypedOperatorHandle<PrefillAttentionFn> prefill_attention =
+      typed_op<PrefillAttentionFn>("loraplex_cpu::paged_prefill_attention");
   c10::TypedOperatorHandle<LoraAddFn> lora_add = typed_op<LoraAddFn>("loraplex_cpu::lora_add");
   c10::TypedOperatorHandle<QuantizeRowsFn> quantize_rows =
       typed_op<QuantizeRowsFn>("loraplex_cpu::quantize_rows_int8");
@@ -76,7 +80,8 @@ struct StepInputs {
   const Tensor& decode_tables;
   const Tensor& decode_lens;
   const Tensor& prefill_tables;
-  const Tensor& prefill_lens;
+  const Tensor& prefill_query_lens;
+  const Tensor& prefill_seq_lens;
   const Tensor& token_slots;  // empty: no adapter in this step
   const Tensor& slot_ranks;
   int64_t num_heads, num_kv_heads, head_dim;
@@ -189,8 +194,10 @@ class Stack {
                           in_.scale, out.narrow(0, 0, decodes));
     }
     if (tokens > decodes) {
-      ops_.attention.call(q.narrow(0, decodes, tokens - decodes), kv_cache, in_.prefill_tables,
-                          in_.prefill_lens, in_.scale, out.narrow(0, decodes, tokens - decodes));
+      ops_.prefill_attention.call(q.narrow(0, decodes, tokens - decodes), kv_cache,
+                                  in_.prefill_tables, in_.prefill_query_lens,
+                                  in_.prefill_seq_lens, in_.scale,
+                                  out.narrow(0, decodes, tokens - decodes));
     }
     return project(layer * kProjections + 1, out.view({tokens, q_size}));
   }
@@ -218,7 +225,8 @@ class Stack {
 //   per layer l:  normed, residual = rms_norm(hidden, residual, norm_weights[2l])
 //                 q, k, v = split(proj(4l, normed)); rotate q, k; write k, v to the cache
 //                 attn = paged attention of the decodes (decode_tables / decode_lens)
-//                        and of the prefill tokens (prefill_tables / prefill_lens)
+//                        and of the prefill chunks (prefill_tables, prefill_query_lens,
+//                        prefill_seq_lens: paged_prefill_attention)
 //                 hidden = proj(4l + 1, attn)
 //                 normed, residual = rms_norm(hidden, residual, norm_weights[2l + 1])
 //                 hidden = proj(4l + 3, silu_and_mul(proj(4l + 2, normed)))
@@ -231,8 +239,9 @@ class Stack {
 // dynamic product takes more than `dynamic_min_rows` rows, as kernels/int8_matmul.py).
 // hidden [T, hidden] (the embedded tokens); cos / sin [T, Dh/2]; norm_weights [2L + 1];
 // biases [4L] (None: no bias); kv_caches [L] of [2, N, Hkv, B, Dh]; slot_mapping [T] int64; the first
-// num_decodes tokens are decodes, the rest prefill tokens, each with its block table
-// row and key count ([D, W] / [D] and [T - D, W] / [T - D] int64); lora_a / lora_b [4L]
+// num_decodes tokens are decodes, each with its block table row and key count ([D, W],
+// [D] int64), the rest prefill chunks, each with its block table row, query length and
+// sequence length ([P, W], [P], [P] int64); lora_a / lora_b [4L]
 // or empty; token_slots [T] int64 or empty; slot_ranks [max_loras] int64 or empty;
 // head_shape = (heads, kv heads, head dim).
 Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
@@ -241,7 +250,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
                      std::string_view projection, int64_t dynamic_min_rows,
                      at::TensorList kv_caches, const Tensor& slot_mapping, int64_t num_decodes,
                      const Tensor& decode_tables, const Tensor& decode_lens,
-                     const Tensor& prefill_tables, const Tensor& prefill_lens,
+                     const Tensor& prefill_tables, const Tensor& prefill_query_lens,
+                     const Tensor& prefill_seq_lens,
                      at::TensorList lora_a, at::TensorList lora_b, at::IntArrayRef lora_slices,
                      const Tensor& token_slots, const Tensor& slot_ranks,
                      at::IntArrayRef head_shape, double eps, double scale) {
@@ -264,9 +274,22 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(!token_slots.defined() || token_slots.numel() == 0 ||
                   token_slots.numel() == hidden.size(0),
               "token_slots: none, or one per token");
-  const StepInputs in{cos, sin, slot_mapping, num_decodes, decode_tables, decode_lens,
-                      prefill_tables, prefill_lens, token_slots, slot_ranks, head_shape[0],
-                      head_shape[1], head_shape[2], eps, scale};
+  const StepInputs in{cos,
+                      sin,
+                      slot_mapping,
+                      num_decodes,
+                      decode_tables,
+                      decode_lens,
+                      prefill_tables,
+                      prefill_query_lens,
+                      prefill_seq_lens,
+                      token_slots,
+                      slot_ranks,
+                      head_shape[0],
+                      head_shape[1],
+                      head_shape[2],
+                      eps,
+                      scale};
   const Ops& ops = Ops::get();
   const Stack stack(ops, in, weights, biases, kind, dynamic_min_rows, lora_a, lora_b,
                     lora_slices);
@@ -289,7 +312,8 @@ TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
         "Tensor[] weights, Tensor?[] biases, str projection, int dynamic_min_rows, "
         "Tensor(a!)[] kv_caches, "
         "Tensor slot_mapping, int num_decodes, Tensor decode_tables, Tensor decode_lens, "
-        "Tensor prefill_tables, Tensor prefill_lens, Tensor[] lora_a, Tensor[] lora_b, "
+        "Tensor prefill_tables, Tensor prefill_query_lens, Tensor prefill_seq_lens, "
+        "Tensor[] lora_a, Tensor[] lora_b, "
         "int[] lora_slices, Tensor token_slots, Tensor slot_ranks, int[] head_shape, "
         "float eps, float scale) -> Tensor");
 }

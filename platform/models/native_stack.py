@@ -21,7 +21,7 @@ import logging
 import torch
 
 from loraplex.kernels.attention_metadata import AttentionMetadata
-from loraplex.kernels.backends import prefill_rows_as_decodes
+from loraplex.kernels.backends import prefill_lens
 from loraplex.kernels.cpu_matmul import PackedWeight, cpu_lacks_half_matmul
 from loraplex.kernels.decoder_stack import (
     StackAttention,
@@ -36,7 +36,6 @@ from loraplex.platform.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-_EMPTY_TABLE = torch.empty(0, 0, dtype=torch.int64)
 _EMPTY_LENS = torch.empty(0, dtype=torch.int64)
 _EMPTY_INT8 = torch.empty(0, 0, dtype=torch.int8)
 
@@ -154,16 +153,17 @@ class NativeDecoderStack:
 
     @staticmethod
     def _attention(meta: AttentionMetadata) -> StackAttention:
-        tables, lens = (
-            prefill_rows_as_decodes(meta) if meta.num_prefills else (_EMPTY_TABLE, _EMPTY_LENS)
+        query_lens, seq_lens = (
+            prefill_lens(meta) if meta.num_prefills else (_EMPTY_LENS, _EMPTY_LENS)
         )
         return StackAttention(
             slot_mapping=meta.slot_mapping,
             num_decodes=meta.num_decode_tokens,
             decode_tables=meta.decode_block_tables,
             decode_lens=meta.decode_seq_lens,
-            prefill_tables=tables,
-            prefill_lens=lens,
+            prefill_tables=meta.prefill_block_tables,
+            prefill_query_lens=query_lens,
+            prefill_seq_lens=seq_lens,
         )
 
     def _lora(self, batch: LoRABatch | None) -> StackLoRA | None:

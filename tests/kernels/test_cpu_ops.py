@@ -1,5 +1,5 @@
 """Native CPU kernels (kernels/cpu_ops.py) against the torch code they replace and the
-float64 attention oracle.
+float64 attention oracle (decode and prefill-chunk attention).
 
 The build must succeed here: this machine and CI have g++, so a failed build is a test
 failure, not a skip. Attention covers the AVX-512 head sizes (64, 128) and the
@@ -93,6 +93,61 @@ def test_decode_attention_rejects_bad_lengths():
         cpu_ops.paged_decode_attention(
             q.double(), cache, tables, torch.tensor([5]), 0.1, torch.empty_like(q.double())
         )
+
+
+PREFILL_CHUNKS = [(1, 1), (17, 17), (5, 40), (40, 50), (33, 33), (16, 70)]
+"""(query_len, seq_len) per chunk: one token, tiles of 16 with a remainder, chunks after
+a cached prefix, a chunk of exactly one tile."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(9, 3, 64), (4, 4, 64), (8, 1, 128), (6, 2, 24)],
+    ids=["gqa3-d64", "mha-d64", "gqa8-d128", "gqa3-d24"],
+)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_prefill_attention_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(block_size * 5 + head_dim)
+    query_lens = [q for q, _ in PREFILL_CHUNKS]
+    seq_lens = [n for _, n in PREFILL_CHUNKS]
+    cache, tables = paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype, gen)
+    fused = torch.randn(sum(query_lens), num_heads + 2, head_dim, generator=gen).to(dtype)
+    q = fused[:, 1 : num_heads + 1]
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    scale = head_dim**-0.5
+    lens = [torch.tensor(x, dtype=torch.int64) for x in (query_lens, seq_lens)]
+    cpu_ops.paged_prefill_attention(q, cache, tables, *lens, scale, out)
+    rows = [t[: -(-n // block_size)] for t, n in zip(tables.tolist(), seq_lens, strict=True)]
+    expected = reference_paged_attention(q, cache, rows, seq_lens, query_lens, scale)
+    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+    # The decode kernel over each token as a decode of its prefix length agrees too.
+    starts = [n - q for q, n in PREFILL_CHUNKS]
+    token_tables = tables.repeat_interleave(lens[0], dim=0)
+    token_lens = torch.tensor(
+        [s + i + 1 for s, q in zip(starts, query_lens, strict=True) for i in range(q)]
+    )
+    as_decodes = torch.empty_like(out)
+    cpu_ops.paged_decode_attention(q, cache, token_tables, token_lens, scale, as_decodes)
+    torch.testing.assert_close(out.float(), as_decodes.float(), **tol)
+
+
+def test_prefill_attention_rejects_bad_lengths():
+    gen = torch.Generator().manual_seed(0)
+    cache, tables = paged_cache([5], 1, 64, 4, torch.float32, gen)
+    q = torch.randn(3, 2, 64)
+    for query_len, seq_len in ((3, 2), (3, tables.shape[1] * 4 + 1), (2, 5)):
+        with pytest.raises(RuntimeError, match="query_len|q has"):
+            cpu_ops.paged_prefill_attention(
+                q,
+                cache,
+                tables,
+                torch.tensor([query_len]),
+                torch.tensor([seq_len]),
+                0.1,
+                torch.empty_like(q),
+            )
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")

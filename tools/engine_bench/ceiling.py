@@ -36,6 +36,7 @@ from loraplex.tools.engine_bench.gemm_probe import (
     dtype_name,
     model_projections,
     probe_gemm_times,
+    product_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -163,16 +164,22 @@ def measure_ceiling(
     scheduler: SchedulerConfig,
     *,
     use_cache: bool = True,
+    quantization: str | None = None,
 ) -> Ceiling:
     """Probes (or reads the cached probe of) the projections `workload` runs in `dtype`
-    with torch's current thread count, on the calling thread."""
+    (with `quantization`, the decoder layers' in int8: gemm_probe.py) with torch's
+    current thread count, on the calling thread."""
     projections = model_projections(arch)
     steps = ideal_schedule(workload, scheduler)
     times = probe_gemm_times(
-        projections, probe_rows(projections, steps), dtype, use_cache=use_cache
+        projections,
+        probe_rows(projections, steps),
+        dtype,
+        use_cache=use_cache,
+        quantization=quantization,
     )
     return Ceiling(
-        dtype=dtype_name(dtype),
+        dtype=product_name(dtype, quantization),
         num_threads=times.num_threads,
         workload=workload,
         num_steps=len(steps),

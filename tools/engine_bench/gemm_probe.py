@@ -9,6 +9,11 @@ distinct weight per layer (and the LM head), so each call reads its weight from 
 real step finds it: a shape timed alone over its layer copies can stay in a large L3
 cache and run faster than inside the model's pass.
 
+With `quantization` ('dynamic' or 'weight_only', kernels/int8_matmul.py) the decoder
+layers' projections are timed as the engine runs them under `quantization: int8` /
+`int8_weight_only`: int8 weights per output channel with the native ops, activations in
+`dtype`; the LM head stays in `dtype`, as the engine keeps it by default.
+
 The times feed two things: the ceiling of `loraplex bench offline --ceiling`
 (`tools/engine_bench/ceiling.py`) and `dtype: auto`, which picks the dtype whose projections
 finish a reference workload first. Probes are cached as JSON under
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 from loraplex.kernels.cache_dir import cache_base
 from loraplex.kernels.cpu_matmul import PackedWeight, cpu_lacks_half_matmul
 from loraplex.kernels.cpu_ops import cpu_identity
+from loraplex.kernels.int8_matmul import Int8Weight
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.config import dtype_name
 
@@ -149,9 +155,18 @@ def _weights(projection: Projection, dtype: torch.dtype, copies: int) -> list[to
     return [base] + [base.clone() for _ in range(copies - 1)]
 
 
-def _backends(weights: list[torch.Tensor]) -> dict[str, list[Callable[[torch.Tensor], object]]]:
+INT8_BACKEND = "int8"
+
+
+def _backends(
+    weights: list[torch.Tensor], quantization: str | None = None
+) -> dict[str, list[Callable[[torch.Tensor], object]]]:
     """The matmuls to compare: MKL's F.linear, and oneDNN's prepacked linear where the
-    weights can be packed; each call maps x -> x @ W.T."""
+    weights can be packed; with `quantization`, the one int8 product of that mode.
+    Each call maps x -> x @ W.T."""
+    if quantization is not None:
+        int8 = [Int8Weight.from_float(w, quantization, native=True) for w in weights]
+        return {INT8_BACKEND: [functools.partial(_onednn_linear, weight=w) for w in int8]}
     found: dict[str, list[Callable[[torch.Tensor], object]]] = {
         "mkl": [functools.partial(_mkl_linear, weight=w) for w in weights]
     }
@@ -165,19 +180,29 @@ def _mkl_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _onednn_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, weight: PackedWeight | Int8Weight) -> torch.Tensor:
     return weight(x, None)
 
 
+def _quantized(projection: Projection, quantization: str | None) -> str | None:
+    """The int8 mode `projection` runs in: the decoder layers' under `quantization`;
+    the LM head stays in the engine's dtype."""
+    return quantization if projection.per_layer else None
+
+
 def _time_compute_bound(
-    projection: Projection, rows: int, dtype: torch.dtype, min_timed_s: float
+    projection: Projection,
+    rows: int,
+    dtype: torch.dtype,
+    min_timed_s: float,
+    quantization: str | None = None,
 ) -> tuple[float, str]:
     """One projection alone over two weight copies (its weights' reads do not matter)."""
     copies = min(2, projection.count)
     weights = _weights(projection, dtype, copies)
     x = torch.randn(rows, projection.in_features).to(dtype)
     results: dict[str, float] = {}
-    for name, calls in _backends(weights).items():
+    for name, calls in _backends(weights, _quantized(projection, quantization)).items():
 
         def run_pass(calls=calls) -> None:
             for call in calls:
@@ -198,21 +223,33 @@ def chain_layers(projections: tuple[Projection, ...], dtype: torch.dtype) -> int
 
 
 def _time_streamed(
-    projections: tuple[Projection, ...], rows: int, dtype: torch.dtype, min_timed_s: float
+    projections: tuple[Projection, ...],
+    rows: int,
+    dtype: torch.dtype,
+    min_timed_s: float,
+    quantization: str | None = None,
 ) -> dict[str, tuple[float, str]]:
     """Every projection at `rows`, called in the model's order (layer by layer, then the
     LM head) over distinct per-layer weights, so each call reads its weight from where a
     real step finds it. Returns name -> (seconds per call, faster backend), from each
-    backend's fastest full pass."""
+    backend's fastest full pass (an int8 projection has one backend, in every pass)."""
     layers = chain_layers(projections, dtype)
     counts = {p.name: (layers if p.per_layer else 1) for p in projections}
     inputs = {p.name: torch.randn(rows, p.in_features).to(dtype) for p in projections}
-    options = {p.name: _backends(_weights(p, dtype, counts[p.name])) for p in projections}
+    options = {
+        p.name: _backends(_weights(p, dtype, counts[p.name]), _quantized(p, quantization))
+        for p in projections
+    }
     order = [(p.name, layer) for layer in range(layers) for p in projections if p.per_layer]
     order += [(p.name, 0) for p in projections if not p.per_layer]
+    float_backends = [set(found) for found in options.values() if INT8_BACKEND not in found]
     best: dict[str, tuple[float, str]] = {}
-    for backend in set.intersection(*(set(found) for found in options.values())):
-        calls = [(name, options[name][backend][index], inputs[name]) for name, index in order]
+    for backend in set.intersection(*float_backends) if float_backends else {INT8_BACKEND}:
+
+        def pick(name: str, backend: str = backend) -> str:
+            return INT8_BACKEND if INT8_BACKEND in options[name] else backend
+
+        calls = [(name, options[name][pick(name)][index], inputs[name]) for name, index in order]
 
         def run_pass(calls=calls) -> dict[str, float]:
             spent = dict.fromkeys(counts, 0.0)
@@ -233,7 +270,7 @@ def _time_streamed(
         for name, total in fastest.items():
             per_call = total / counts[name]
             if name not in best or per_call < best[name][0]:
-                best[name] = (per_call, backend)
+                best[name] = (per_call, pick(name))
     return best
 
 
@@ -242,13 +279,14 @@ def cache_key(
     rows: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     min_timed_s: float,
+    quantization: str | None = None,
 ) -> str:
     digest = hashlib.sha256()
     parts = [
         cpu_identity(),
         torch.__version__,
         str(torch.get_num_threads()),
-        dtype_name(dtype),
+        product_name(dtype, quantization),
         repr(sorted((p.name, p.out_features, p.in_features, p.count) for p in projections)),
         repr(sorted(rows.items())),
         repr(min_timed_s),
@@ -257,6 +295,14 @@ def cache_key(
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:20]
+
+
+def product_name(dtype: torch.dtype, quantization: str | None) -> str:
+    """How a probe's projections multiply: the dtype, or e.g. 'int8_dynamic/bfloat16'
+    (int8 decoder layers, activations and LM head in bf16)."""
+    if quantization is None:
+        return dtype_name(dtype)
+    return f"int8_{quantization}/{dtype_name(dtype)}"
 
 
 def probe_cache_dir() -> Path:
@@ -270,6 +316,7 @@ def probe_gemm_times(
     *,
     min_timed_s: float | None = None,
     use_cache: bool = True,
+    quantization: str | None = None,
 ) -> GemmTimes:
     """Times every projection at its row counts (`rows[name]`) in `dtype` with torch's
     current thread count, on the calling thread (the engine's compute thread: a probe
@@ -277,10 +324,13 @@ def probe_gemm_times(
 
     Semantics: result.time(name, m) = seconds for one y = x @ W.T with x [m, in] and W
     [out, in] in `dtype`; for m <= STREAMED_ROWS measured among every layer's weights in
-    the model's order (W is in cache only where the whole model's weights fit). `min_timed_s` None means MIN_TIMED_S. Reads and writes the cache unless
+    the model's order (W is in cache only where the whole model's weights fit); with
+    `quantization`, the decoder layers' products are int8 in that mode (see the module
+    docstring). `min_timed_s` None means MIN_TIMED_S. Reads and writes the cache unless
     `use_cache` is False."""
     min_timed_s = MIN_TIMED_S if min_timed_s is None else min_timed_s
-    path = probe_cache_dir() / f"{cache_key(projections, rows, dtype, min_timed_s)}.json"
+    key = cache_key(projections, rows, dtype, min_timed_s, quantization)
+    path = probe_cache_dir() / f"{key}.json"
     if use_cache and path.is_file():
         try:
             return GemmTimes.from_json(json.loads(path.read_text()))
@@ -290,17 +340,18 @@ def probe_gemm_times(
     seconds: dict[str, dict[int, float]] = {}
     backend: dict[str, dict[int, str]] = {}
     for m in sorted({m for counts in rows.values() for m in counts if m <= STREAMED_ROWS}):
-        for name, (t, which) in _time_streamed(projections, m, dtype, min_timed_s).items():
+        streamed = _time_streamed(projections, m, dtype, min_timed_s, quantization)
+        for name, (t, which) in streamed.items():
             if m in rows[name]:
                 seconds.setdefault(name, {})[m] = t
                 backend.setdefault(name, {})[m] = which
     for projection in projections:
         for m in rows[projection.name]:
             if m > STREAMED_ROWS:
-                t, which = _time_compute_bound(projection, m, dtype, min_timed_s)
+                t, which = _time_compute_bound(projection, m, dtype, min_timed_s, quantization)
                 seconds.setdefault(projection.name, {})[m] = t
                 backend.setdefault(projection.name, {})[m] = which
-    times = GemmTimes(dtype_name(dtype), torch.get_num_threads(), seconds, backend)
+    times = GemmTimes(product_name(dtype, quantization), torch.get_num_threads(), seconds, backend)
     logger.info(
         "GEMM probe %s on %d threads: %d shapes in %.1fs",
         times.dtype,

@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from loraplex.adapters.peft_format import SUPPORTED_MODULES
-from loraplex.platform.config import dtype_name, parse_dtype_option
+from loraplex.platform.config import QUANTIZATIONS, dtype_name, parse_dtype_option
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.request import SamplingParams
 from loraplex.tools.engine_bench.ceiling import Ceiling, FixedWorkload, measure_ceiling
@@ -498,6 +498,7 @@ def run_offline_bench(
 
     llm = LLM(model=str(folder), dtype=dtype_option, seed=seed, **(engine_options or {}))
     torch_dtype = llm.engine.config.model.dtype
+    quantization = QUANTIZATIONS.get(llm.engine.config.model.quantization or "")
     report.dtype = dtype_name(torch_dtype)
     pool = normal_token_ids(llm.tokenizer, model_vocab_size(folder))
     report.workload = build_workload(pool, num_requests, prompt_len, output_len, seed)
@@ -510,15 +511,30 @@ def run_offline_bench(
     gc.collect()
     if ceiling:
         fixed = FixedWorkload(num_requests, prompt_len, output_len)
-        others = [d for d in candidate_dtypes(device) if d != torch_dtype]
+        products = ceiling_products(device, torch_dtype, quantization)
         report.ceilings = [
-            measure_ceiling(arch, d, fixed, scheduler, use_cache=False)
-            for d in tqdm([torch_dtype, *others], disable=not use_tqdm, desc="GEMM probe")
+            measure_ceiling(arch, d, fixed, scheduler, use_cache=False, quantization=q)
+            for d, q in tqdm(products, disable=not use_tqdm, desc="GEMM probe")
         ]
     if baseline == "hf":
         report.results.append(run_hf(folder, report.workload, torch_dtype, hf_batch_size, use_tqdm))
     report.load_after = read_loadavg()
     return report
+
+
+def ceiling_products(
+    device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> list[tuple[torch.dtype, str | None]]:
+    """The (dtype, int8 mode) ceilings to probe: the engine's own first, then every other
+    dtype this CPU multiplies natively, and int8 W8A8 with activations in the engine's
+    dtype (where the native CPU ops that int8 needs are built)."""
+    from loraplex.kernels import cpu_ops
+
+    products = [(dtype, quantization)]
+    products += [(d, None) for d in candidate_dtypes(device) if (d, None) not in products]
+    if cpu_ops.load() and (dtype, "dynamic") not in products:
+        products.append((dtype, "dynamic"))
+    return products
 
 
 def _run_lora_bench(

@@ -146,13 +146,31 @@ def test_bench_offline_reports_the_ceiling_and_the_engine_share(tiny_model_facto
     native = gemm_probe.candidate_dtypes(torch.device("cpu"))
     assert report.dtype == report.ceilings[0].dtype
     assert sorted(c.dtype for c in report.ceilings) == sorted(
-        gemm_probe.dtype_name(d) for d in native
+        [*(gemm_probe.dtype_name(d) for d in native), f"int8_dynamic/{report.dtype}"]
     )
     assert all(c.tokens_per_s > 0 and c.workload.output_tokens == 12 for c in report.ceilings)
     share = report.ceiling_share()
     assert share == pytest.approx(report.results[0].tokens_per_s / report.ceilings[0].tokens_per_s)
     text = bench.format_report(report)
     assert "engine share of its ceiling:" in text and "(engine dtype)" in text
+
+
+def test_an_int8_engine_is_measured_against_its_int8_ceiling(tiny_model_factory, quick_probe):
+    report = bench.run_offline_bench(
+        str(tiny_model_factory("llama")),
+        "float32",
+        num_requests=4,
+        prompt_len=6,
+        output_len=3,
+        use_tqdm=False,
+        ceiling=True,
+        engine_options={"quantization": "int8"},
+    )
+    assert report.ceilings[0].dtype == "int8_dynamic/float32"
+    assert "float32" in [c.dtype for c in report.ceilings[1:]]
+    assert report.ceiling_share() == pytest.approx(
+        report.results[0].tokens_per_s / report.ceilings[0].tokens_per_s
+    )
 
 
 def test_the_ceiling_is_for_the_base_model():

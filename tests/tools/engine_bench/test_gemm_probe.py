@@ -52,6 +52,24 @@ def test_probe_times_every_projection_at_every_row_count(quick_probe):
             assert times.backend[name][m] in ("mkl", "onednn")
 
 
+@pytest.mark.parametrize("mode", ["dynamic", "weight_only"])
+def test_an_int8_probe_times_the_layers_in_int8_and_the_lm_head_as_is(quick_probe, mode):
+    """Rows past 16 take W8A8 under 'dynamic' (300 here), smaller ones the weight-only
+    product; the LM head stays a float matmul; the probe is cached apart from fp32's."""
+    times = probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, quantization=mode)
+    assert times.dtype == f"int8_{mode}/float32"
+    for name, rows in ROWS.items():
+        for m in rows:
+            assert 0 < times.time(name, m) < 0.1
+            expected = ("mkl", "onednn") if name == "lm_head" else (gemm_probe.INT8_BACKEND,)
+            assert times.backend[name][m] in expected
+    probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32)
+    cached = sorted(
+        json.loads(f.read_text())["dtype"] for f in (quick_probe / "gemm_probe").glob("*.json")
+    )
+    assert cached == ["float32", f"int8_{mode}/float32"]
+
+
 def test_probe_is_cached_per_dtype_and_read_back(quick_probe, monkeypatch):
     first = probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32)
     files = list((quick_probe / "gemm_probe").glob("*.json"))

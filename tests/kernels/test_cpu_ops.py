@@ -55,13 +55,23 @@ def paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype, gen):
     return cache, torch.tensor(tables, dtype=torch.int64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
-@pytest.mark.parametrize(
+ATTENTION_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+ATTENTION_HEADS = pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim",
     [(9, 3, 64), (4, 4, 64), (8, 1, 128), (6, 2, 24)],
     ids=["gqa3-d64", "mha-d64", "gqa8-d128", "gqa3-d24"],
 )
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+BLOCK_SIZES = pytest.mark.parametrize("block_size", [1, 16, 32])
+ATTENTION_TOLERANCE = {
+    torch.float32: {"atol": 2e-6, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
+    torch.float16: {"atol": 1e-2, "rtol": 1e-2},
+}
+
+
+@ATTENTION_DTYPES
+@ATTENTION_HEADS
+@BLOCK_SIZES
 def test_decode_attention_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(block_size * 7 + head_dim)
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 50]
@@ -76,7 +86,7 @@ def test_decode_attention_matches_reference(dtype, num_heads, num_kv_heads, head
     )
     rows = [t[: -(-n // block_size)] for t, n in zip(tables.tolist(), seq_lens, strict=True)]
     expected = reference_paged_attention(q, cache, rows, seq_lens, [1] * len(seq_lens), scale)
-    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    tol = ATTENTION_TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), **tol)
 
 
@@ -100,13 +110,9 @@ PREFILL_CHUNKS = [(1, 1), (17, 17), (5, 40), (40, 50), (33, 33), (16, 70)]
 a cached prefix, a chunk of exactly one tile."""
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
-@pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim",
-    [(9, 3, 64), (4, 4, 64), (8, 1, 128), (6, 2, 24)],
-    ids=["gqa3-d64", "mha-d64", "gqa8-d128", "gqa3-d24"],
-)
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+@ATTENTION_DTYPES
+@ATTENTION_HEADS
+@BLOCK_SIZES
 def test_prefill_attention_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(block_size * 5 + head_dim)
     query_lens = [q for q, _ in PREFILL_CHUNKS]
@@ -120,7 +126,7 @@ def test_prefill_attention_matches_reference(dtype, num_heads, num_kv_heads, hea
     cpu_ops.paged_prefill_attention(q, cache, tables, *lens, scale, out)
     rows = [t[: -(-n // block_size)] for t, n in zip(tables.tolist(), seq_lens, strict=True)]
     expected = reference_paged_attention(q, cache, rows, seq_lens, query_lens, scale)
-    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    tol = ATTENTION_TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), **tol)
     # The decode kernel over each token as a decode of its prefix length agrees too.
     starts = [n - q for q, n in PREFILL_CHUNKS]

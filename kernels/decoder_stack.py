@@ -121,7 +121,7 @@ def decoder_stack(
         attention.prefill_seq_lens,
         lora.lora_a if lora is not None else [],
         lora.lora_b if lora is not None else [],
-        list(lora.slices) if lora is not None else [3, 1, 2, 1],
+        list(lora.slices) if lora is not None else [],
         lora.token_slots if lora is not None else _EMPTY,
         lora.slot_ranks if lora is not None else _EMPTY,
         list(layers.head_shape),

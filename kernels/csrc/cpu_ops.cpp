@@ -599,7 +599,6 @@ inline void softmax_row(float* row, int64_t len, float* inv_sum) {
 #endif
 }
 
-template <typename T>
 void score_block(const PrefillTile& t, int64_t start) {
 #if defined(__AVX512F__)
   if (t.keys_stride % kLanes == 0 && t.rows_padded % kScoreRows == 0) {
@@ -710,7 +709,7 @@ void prefill_attention_kernel(const Tensor& q, const Tensor& kv_cache, const Ten
             kt[j] = j < valid ? keys[j * head_dim + e] : 0.0f;
           }
         }
-        score_block<T>(t, start);
+        score_block(t, start);
       }
       for (int64_t r = 0; r < rows; ++r) {
         softmax_row(scores.data() + r * stride, row_len[r], inv_sum.data() + r);

@@ -241,8 +241,8 @@ class Stack {
 // biases [4L] (None: no bias); kv_caches [L] of [2, N, Hkv, B, Dh]; slot_mapping [T] int64; the first
 // num_decodes tokens are decodes, each with its block table row and key count ([D, W],
 // [D] int64), the rest prefill chunks, each with its block table row, query length and
-// sequence length ([P, W], [P], [P] int64); lora_a / lora_b [4L]
-// or empty; token_slots [T] int64 or empty; slot_ranks [max_loras] int64 or empty;
+// sequence length ([P, W], [P], [P] int64); lora_a / lora_b [4L] and lora_slices [4],
+// or all empty; token_slots [T] int64 or empty; slot_ranks [max_loras] int64 or empty;
 // head_shape = (heads, kv heads, head dim).
 Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
                      at::TensorList norm_weights, at::TensorList weights,
@@ -268,7 +268,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(lora_a.size() == lora_b.size(), "lora_a / lora_b: as many of each");
   TORCH_CHECK(lora_a.empty() || static_cast<int64_t>(lora_a.size()) == kProjections * layers,
               "lora_a / lora_b: one per projection");
-  TORCH_CHECK(lora_slices.size() == kProjections, "lora_slices: one per projection kind");
+  TORCH_CHECK(lora_a.empty() || lora_slices.size() == kProjections,
+              "lora_slices: one per projection kind");
   TORCH_CHECK(head_shape.size() == 3, "head_shape = (heads, kv heads, head dim)");
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= hidden.size(0), "num_decodes out of range");
   TORCH_CHECK(!token_slots.defined() || token_slots.numel() == 0 ||

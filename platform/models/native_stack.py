@@ -119,7 +119,10 @@ class NativeDecoderStack:
             eps=model.norm.eps,
             scale=attention.attn.scale,
         )
-        self._lora_slots: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._lora_slots: tuple[list[torch.Tensor], list[torch.Tensor], tuple[int, ...]] | None = (
+            None
+        )
+        """Every projection's A and B slots and the slices of qkv, o, gate_up, down."""
 
     @classmethod
     def maybe(cls, model: LlamaForCausalLM) -> NativeDecoderStack | None:
@@ -176,12 +179,13 @@ class NativeDecoderStack:
             self._lora_slots = (
                 [p.lora.a for p in self._projections],
                 [p.lora.b for p in self._projections],
+                tuple(p.lora.num_slices for p in self._projections[:4]),
             )
-        first = self._projections[:4]
+        lora_a, lora_b, slices = self._lora_slots
         return StackLoRA(
-            lora_a=self._lora_slots[0],
-            lora_b=self._lora_slots[1],
-            slices=tuple(p.lora.num_slices for p in first),
+            lora_a=lora_a,
+            lora_b=lora_b,
+            slices=slices,
             token_slots=batch.token_slots,
             slot_ranks=batch.slot_rank_tensor
             if batch.slot_rank_tensor is not None

@@ -13,6 +13,9 @@ Semantics of the layer ops (shapes as the layers pass them):
     attention(q, k, v, kv_cache, meta, scale) -> out [T, H, Dh]
         the step's tokens in the layout of attention_metadata.py; every token's K/V is
         already in kv_cache [2, N, Hkv, B, Dh].
+    greedy_tokens(logits) -> [2, S] int64
+        logits [S, V]; row 0 the first index of each row's maximum, row 1 1 where that
+        maximum is finite and the row holds no NaN, else 0 (the index is then any).
 
 And of the LoRA ops (layout in lora.py):
     lora_stack(max_loras, max_rank, in_features, out_features, num_slices, dtype, device)
@@ -75,6 +78,8 @@ class KernelBackend(Protocol):
         scale: float,
     ) -> torch.Tensor: ...
 
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor: ...
+
     def lora_stack(
         self,
         max_loras: int,
@@ -135,6 +140,10 @@ class TorchBackend:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return torch_layers.silu_and_mul(x)
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        best, tokens = logits.max(dim=-1)
+        return torch.stack((tokens, torch.isfinite(best).to(torch.int64)))
 
     def rotary_write_kv(
         self,
@@ -231,8 +240,9 @@ class TorchBackend:
 class CpuBackend(TorchBackend):
     """The torch path with its hot spots in native code (kernels/cpu_ops.py): fused
     RMSNorm + residual, SiLU-and-mul, rotary + cache write in place, paged attention
-    reading each K/V block where it lies instead of gathering a batch copy, and LoRA
-    over fp32 slots whose B is stored rank-major."""
+    reading each K/V block where it lies instead of gathering a batch copy, greedy
+    tokens in one vectorized pass per row (torch's max with indices is a scalar loop
+    here), and LoRA over fp32 slots whose B is stored rank-major."""
 
     name = "cpu"
 
@@ -249,6 +259,9 @@ class CpuBackend(TorchBackend):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.silu_and_mul(x)
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._ops.greedy_tokens(logits)
 
     def rotary_write_kv(
         self,

@@ -167,6 +167,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ops().silu_and_mul(x)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Semantics: per row s of logits [S, V] (last dim contiguous) -> [2, S] int64:
+    row 0 the first index of the row's maximum (torch.max(logits, -1).indices), row 1
+    1 where that maximum is finite and the row holds no NaN, else 0 (its index then 0).
+    One pass for the maximum and one up to its first index, rows in parallel."""
+    out = torch.empty(2, logits.shape[0], dtype=torch.int64)
+    ops().greedy_tokens(logits, out)
+    return out
+
+
 def rotary_write_kv(
     q: torch.Tensor,
     k: torch.Tensor,

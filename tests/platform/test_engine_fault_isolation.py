@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.adapters.slots import LoRASlots
 from loraplex.deployments.protocol import CompletionRequest
+from loraplex.kernels.backends import get_backend
 from loraplex.platform.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -322,7 +323,8 @@ def test_the_async_engine_raises_request_failures_to_their_consumer_only(setup):
         engine.shutdown()
 
 
-def test_a_nan_row_never_yields_a_token_and_spares_the_others():
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_a_nan_row_never_yields_a_token_and_spares_the_others(kernels):
     logits = torch.randn(4, 32)
     logits[1, 3] = float("nan")
     logits[2] = float("-inf")
@@ -332,7 +334,8 @@ def test_a_nan_row_never_yields_a_token_and_spares_the_others():
         SamplingParams(temperature=0.7, top_p=0.9, seed=1),
     ):
         requests = [_request(params, i) for i in range(4)]
-        out = Sampler()(logits.clone(), SamplingBatch.from_requests(requests, torch.device("cpu")))
+        batch = SamplingBatch.from_requests(requests, torch.device("cpu"))
+        out = Sampler(get_backend(kernels))(logits.clone(), batch)
         assert out.invalid_rows == [1, 2, 3]
         assert out.token_ids[1:] == [INVALID_TOKEN] * 3
         assert 0 <= out.token_ids[0] < 32

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from loraplex.kernels.backends import get_backend
 from loraplex.platform.request import Request, SamplingParams
 from loraplex.platform.sampler import (
     Sampler,
@@ -44,12 +45,14 @@ def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=generator) * 3
 
 
-def test_greedy_fast_path_is_argmax():
-    logits = random_logits(6)
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_greedy_fast_path_is_argmax(kernels):
+    """With either kernel backend's greedy_tokens, ties going to the first index."""
+    logits = random_logits(6).round()
     requests = [make_request(SamplingParams(temperature=0.0)) for _ in range(6)]
     batch = SamplingBatch.from_requests(requests, CPU)
     assert batch.fast_greedy
-    out = Sampler()(logits, batch)
+    out = Sampler(get_backend(kernels))(logits, batch)
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 6
 

@@ -223,6 +223,25 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scales
 
 
+def int8_linear_rows(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    col_sums: torch.Tensor,
+    col_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """Semantics: `dequantize_int32(torch._int_mm(*quantize_rows_int8(x)) @ W.T ...)` bit
+    for bit: x [T, K] (contiguous) quantized per row, times the int8 weight W [N, K]
+    given packed for VNNI (`int8_matmul.pack_vnni`: [ceil(N/16), ceil(K/4), 16, 4]) with
+    col_sums [N] int32 = W.sum(1), int32 accumulation, then * row scale * col_scales [N]
+    (+ bias [N] in x's dtype) -> [T, N] in x's dtype. Made for a few rows (decode at a
+    small batch): each weight byte is read once per 4 rows, at memory speed."""
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    ops().int8_linear_rows(x, packed, col_sums, col_scales, bias, out)
+    return out
+
+
 def dequantize_int32(
     acc: torch.Tensor,
     row_scales: torch.Tensor,

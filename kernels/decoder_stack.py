@@ -16,7 +16,7 @@ backend calls it, in the same order, so the result is that loop's bit for bit):
 where each projection is x @ W.T + b plus, when the step has adapters, each token's
 LoRA delta (cpu_ops.lora_add over that projection's slots). The product is oneDNN's
 prepacked linear, F.linear, or an int8 one as `Int8Weight` computes it
-(kernels/int8_matmul.py: W8A8 past DYNAMIC_MIN_ROWS rows, else weight-only in bf16).
+(kernels/int8_matmul.py: W8A8 at every batch, or weight-only in bf16).
 
 Shapes: hidden [T, hidden] contiguous (the embedded tokens); cos / sin [T, Dh/2];
 kv_caches [L] of [2, N, Hkv, B, Dh]; the first `num_decodes` tokens are decodes with
@@ -48,9 +48,11 @@ class StackWeights:
     projection: str
     """One of PROJECTION_KINDS."""
     weights: list[torch.Tensor]
-    """'packed': [4L] oneDNN-prepacked weights; 'plain': [4L] of [out, in]; int8: [16L],
-    per projection q [out, in] int8, q.T [in, out] ('int8_dynamic'; else empty), and
-    its per-channel scales [out] in fp32 and bf16."""
+    """'packed': [4L] oneDNN-prepacked weights; 'plain': [4L] of [out, in]; int8: [24L],
+    per projection q [out, in] int8 ('int8_weight_only'; else empty), q.T [in, out]
+    ('int8_dynamic'; else empty), its per-channel scales [out] in fp32 and bf16, and
+    `int8_matmul.pack_vnni(q)`'s two tensors ('int8_dynamic' on a CPU with VNNI; else
+    empty)."""
     biases: list[torch.Tensor | None]
     head_shape: tuple[int, int, int]
     """(query heads, kv heads, head dim)."""

@@ -13,22 +13,48 @@ Semantics:
                        bf16, fp32 accumulation), returned in x's dtype
         'dynamic':     per token t: a[t] = max_k |x[t, k]| / 127, xq[t] = round(x[t] / a[t]),
                        (xq @ q.T) * a[:, None] * s[None, :] + b    (int32 accumulation),
-                       for T > DYNAMIC_MIN_ROWS; smaller T (decode at a small batch,
-                       where reading the weight is the cost) take the weight-only product
+                       at every T: past DYNAMIC_MIN_ROWS rows torch's int8 matmul, up to
+                       it (decode at a small batch, where reading the weight is the cost)
+                       the native VNNI rows kernel where the CPU has AVX512-VNNI
+                       (`cpu_ops.int8_linear_rows`, the same bits), else torch's with
+                       the rows padded
 
 `reference_int8_linear` is the plain-torch statement of both, for tests.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from loraplex.kernels import cpu_ops
 
 INT8_MODES = ("dynamic", "weight_only")
 DYNAMIC_MIN_ROWS = 16
-"""torch's CPU int8 x int8 matmul takes more than 16 rows; fewer rows use the
-weight-only product (measured faster there: docs/benchmarks.md)."""
+"""torch's CPU int8 x int8 matmul takes more than 16 rows; up to 16 rows the dynamic
+product runs the native VNNI rows kernel (faster there, docs/benchmarks.md) or pads."""
+VNNI_CHANNELS = 16
+"""Output channels per block of the VNNI layout (`pack_vnni`)."""
+
+
+def pack_vnni(quantized: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8 -> (packed [ceil(N/16), ceil(K/4), 16, 4] int8, zero padded, where
+    packed[b, k4, c, e] = q[16 b + c, 4 k4 + e]; col_sums [N] int32 = q.sum(1)): the
+    operands of `cpu_ops.int8_linear_rows`."""
+    n, k = quantized.shape
+    blocks, k4s = -(-n // VNNI_CHANNELS), -(-k // 4)
+    padded = torch.zeros(blocks * VNNI_CHANNELS, k4s * 4, dtype=torch.int8)
+    padded[:n, :k] = quantized
+    packed = padded.reshape(blocks, VNNI_CHANNELS, k4s, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, quantized.sum(dim=1, dtype=torch.int32).contiguous()
+
+
+@functools.cache
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (what the native rows kernel is fast with)."""
+    return "avx512_vnni" in cpu_ops.cpu_identity().partition("|")[2].split()
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +82,10 @@ class Int8Weight:
     """A projection's weight held as int8 per-channel (see the module docstring); takes
     the place of `PackedWeight` in a projection (`__call__(x, bias)`). `native`: the
     dynamic mode quantizes activations and rescales the int32 products with the native
-    CPU ops (kernels/cpu_ops.py, one pass each) instead of a chain of torch ops."""
+    CPU ops (kernels/cpu_ops.py, one pass each) instead of a chain of torch ops, and
+    multiplies up to DYNAMIC_MIN_ROWS rows with the VNNI rows kernel where the CPU has
+    it. The dynamic mode keeps q.T (torch's int8 matmul) and, for that kernel, the VNNI
+    packing; q is then a view of q.T."""
 
     def __init__(
         self, quantized: torch.Tensor, scale: torch.Tensor, mode: str, native: bool = False
@@ -67,11 +96,29 @@ class Int8Weight:
             raise ValueError(f"int8 mode must be one of {INT8_MODES}, got {mode!r}")
         self.mode = mode
         self.native = native
-        self.quantized = quantized.to(torch.int8).contiguous()
+        quantized = quantized.to(torch.int8)
         self.scale = scale.float().reshape(-1).contiguous()
         self.scale_bf16 = self.scale.to(torch.bfloat16)
-        self.quantized_t = self.quantized.t().contiguous() if mode == "dynamic" else None
-        """[in, out]: the layout torch's int8 matmul reads."""
+        self.quantized_t: torch.Tensor | None = None
+        """[in, out]: the layout torch's int8 matmul reads (dynamic mode)."""
+        self.vnni: tuple[torch.Tensor, torch.Tensor] | None = None
+        """`pack_vnni(q)` (dynamic mode, native, on a CPU with AVX512-VNNI)."""
+        if mode == "dynamic":
+            self.quantized_t = quantized.t().contiguous()
+            if native and cpu_has_vnni():
+                self.vnni = pack_vnni(quantized)
+            self._quantized = None
+        else:
+            self._quantized = quantized.contiguous()
+
+    @property
+    def quantized(self) -> torch.Tensor:
+        """q [out, in] int8."""
+        return self._quantized if self._quantized is not None else self.quantized_t.t()
+
+    @property
+    def out_features(self) -> int:
+        return self.scale.shape[0]
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, mode: str, native: bool = False) -> Int8Weight:
@@ -79,18 +126,29 @@ class Int8Weight:
         return cls(*quantize_per_channel(weight), mode, native)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.mode == "dynamic" and x.shape[0] > DYNAMIC_MIN_ROWS:
-            if self.native:
-                xq, row_scale = cpu_ops.quantize_rows_int8(x.contiguous())
-                acc = torch._int_mm(xq, self.quantized_t)
-                return cpu_ops.dequantize_int32(acc, row_scale, self.scale, bias, x.dtype)
-            xq, row_scale = _quantize_rows(x)
-            out = torch._int_mm(xq, self.quantized_t).float()
-            out.mul_(row_scale).mul_(self.scale)
-        else:
+        if self.mode == "weight_only":
             out = torch.ops.aten._weight_int8pack_mm(
-                x.to(torch.bfloat16).contiguous(), self.quantized, self.scale_bf16
+                x.to(torch.bfloat16).contiguous(), self._quantized, self.scale_bf16
             )
+            out = out.to(x.dtype)
+            if bias is not None:
+                out += bias
+            return out
+        rows = x.shape[0]
+        if self.vnni is not None and rows <= DYNAMIC_MIN_ROWS:
+            packed, col_sums = self.vnni
+            return cpu_ops.int8_linear_rows(
+                x.contiguous(), packed, col_sums, self.scale, bias, self.out_features
+            )
+        # torch's int8 matmul takes more than DYNAMIC_MIN_ROWS rows: fewer are padded
+        padding = max(0, DYNAMIC_MIN_ROWS + 1 - rows)
+        if self.native:
+            xq, row_scale = cpu_ops.quantize_rows_int8(x.contiguous())
+            acc = torch._int_mm(F.pad(xq, (0, 0, 0, padding)), self.quantized_t)[:rows]
+            return cpu_ops.dequantize_int32(acc.contiguous(), row_scale, self.scale, bias, x.dtype)
+        xq, row_scale = _quantize_rows(x)
+        out = torch._int_mm(F.pad(xq, (0, 0, 0, padding)), self.quantized_t)[:rows].float()
+        out.mul_(row_scale).mul_(self.scale)
         out = out.to(x.dtype)
         if bias is not None:
             out += bias
@@ -105,12 +163,11 @@ def reference_int8_linear(
     mode: str,
 ) -> torch.Tensor:
     """`Int8Weight(...)(x, bias)` in plain torch (fp32 arithmetic), for tests."""
-    weight = dequantize(quantized, scale)
-    if mode == "dynamic" and x.shape[0] > DYNAMIC_MIN_ROWS:
+    if mode == "dynamic":
         xq, row_scale = _quantize_rows(x)
-        out = (xq.float() @ quantized.float().T) * row_scale * scale
+        out = (xq.double() @ quantized.double().T).float() * row_scale * scale
     else:
-        out = x.to(torch.bfloat16).float() @ weight.T
+        out = x.to(torch.bfloat16).float() @ dequantize(quantized, scale).T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

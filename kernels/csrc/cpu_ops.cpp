@@ -1484,6 +1484,195 @@ void dequantize_int32(const Tensor& acc, const Tensor& row_scales, const Tensor&
   });
 }
 
+// ---------------------------------------------------------------- int8 rows (VNNI)
+
+// A few rows (decode at a small batch) times an int8 weight, with the activations
+// quantized per row as quantize_rows_int8 does: the product reads each weight byte once
+// at memory speed. The weight is packed in blocks of 16 output channels by 4 inputs
+// ([ceil(N/16), ceil(K/4), 16, 4], zero padded), the layout of one VNNI instruction:
+// u8 activations (q + 128) times s8 weights, 4 products summed into each int32 lane.
+// The + 128 is taken back with the weight's column sums: acc - 128 * sum_k w[n, k].
+constexpr int64_t kVnniChannels = 16;
+constexpr int kVnniBlocks = 6;  // weight blocks per tile (16 channels each)
+constexpr int kVnniRows = 4;    // rows per tile, at most
+constexpr int64_t kVnniPrefetch = 16;  // how many 64-byte steps ahead a block stream is requested
+
+#if defined(__AVX512VNNI__)
+template <int MT>
+FORCE_INLINE void vnni_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w, int64_t k4s,
+                            int64_t block0, int64_t blocks, __m512i (&acc)[kVnniRows][kVnniBlocks]) {
+  for (int m = 0; m < MT; ++m) {
+    for (int j = 0; j < kVnniBlocks; ++j) {
+      acc[m][j] = _mm512_setzero_si512();
+    }
+  }
+  for (int64_t k4 = 0; k4 < k4s; ++k4) {
+    __m512i wv[kVnniBlocks];
+    for (int j = 0; j < kVnniBlocks; ++j) {
+      if (j < blocks) {
+        const int8_t* step = w + ((block0 + j) * k4s + k4) * 64;
+        __builtin_prefetch(step + kVnniPrefetch * 64, 0, 0);
+        wv[j] = _mm512_loadu_si512(step);
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      int32_t four;
+      std::memcpy(&four, xu + m * x_stride + 4 * k4, sizeof(four));
+      const __m512i a = _mm512_set1_epi32(four);
+      for (int j = 0; j < kVnniBlocks; ++j) {
+        if (j < blocks) {
+          acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], a, wv[j]);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Products of rows [m0, m0 + rows) with blocks [block0, block0 + blocks) into acc.
+inline void int8_rows_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w, int64_t k4s,
+                           int64_t block0, int64_t blocks, int64_t rows,
+                           int32_t (&acc)[kVnniRows][kVnniBlocks][kVnniChannels]) {
+#if defined(__AVX512VNNI__)
+  __m512i v[kVnniRows][kVnniBlocks];
+  switch (rows) {
+    case 4: vnni_tile<4>(xu, x_stride, w, k4s, block0, blocks, v); break;
+    case 2: vnni_tile<2>(xu, x_stride, w, k4s, block0, blocks, v); break;
+    default: vnni_tile<1>(xu, x_stride, w, k4s, block0, blocks, v); break;
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int j = 0; j < kVnniBlocks; ++j) {
+      _mm512_storeu_si512(acc[m][j], v[m][j]);
+    }
+  }
+#else
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t j = 0; j < blocks; ++j) {
+      for (int64_t c = 0; c < kVnniChannels; ++c) {
+        int32_t sum = 0;
+        for (int64_t k4 = 0; k4 < k4s; ++k4) {
+          const int8_t* wb = w + ((block0 + j) * k4s + k4) * 64 + c * 4;
+          const uint8_t* xb = xu + m * x_stride + 4 * k4;
+          for (int e = 0; e < 4; ++e) {
+            sum += static_cast<int32_t>(xb[e]) * static_cast<int32_t>(wb[e]);
+          }
+        }
+        acc[m][j][c] = sum;
+      }
+    }
+  }
+#endif
+}
+
+template <typename T>
+void int8_linear_rows_kernel(const Tensor& x, const Tensor& packed, const Tensor& col_sums,
+                             const Tensor& col_scales, const T* bias, Tensor& out) {
+  const int64_t rows = x.size(0), width = x.size(1), n_out = out.size(1);
+  const int64_t blocks = packed.size(0), k4s = packed.size(1), padded = 4 * k4s;
+  const T* x_data = x.data_ptr<T>();
+  // Quantized rows, + 128 as bytes (x ^ 0x80), padded with quantized zeros.
+  std::vector<int8_t> quantized(rows * padded, 0);
+  std::vector<float> row_scales(rows);
+  for (int64_t t = 0; t < rows; ++t) {
+    row_scales[t] = quantize_row_int8(x_data + t * width, quantized.data() + t * padded, width);
+  }
+  std::vector<uint8_t> xu(rows * padded);
+  for (int64_t i = 0; i < rows * padded; ++i) {
+    xu[i] = static_cast<uint8_t>(quantized[i]) ^ 0x80u;
+  }
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const int32_t* sums = col_sums.data_ptr<int32_t>();
+  const float* scales = col_scales.data_ptr<float>();
+  T* out_data = out.data_ptr<T>();
+  const int64_t tiles = (blocks + kVnniBlocks - 1) / kVnniBlocks;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    int32_t acc[kVnniRows][kVnniBlocks][kVnniChannels];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t block0 = tile * kVnniBlocks;
+      const int64_t count = std::min<int64_t>(kVnniBlocks, blocks - block0);
+      for (int64_t m0 = 0; m0 < rows;) {
+        const int64_t left = rows - m0;
+        const int64_t mt = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        int8_rows_tile(xu.data() + m0 * padded, padded, w, k4s, block0, count, mt, acc);
+        for (int64_t m = 0; m < mt; ++m) {
+          const float rs = row_scales[m0 + m];
+          T* o = out_data + (m0 + m) * n_out;
+          for (int64_t j = 0; j < count; ++j) {
+            const int64_t n0 = (block0 + j) * kVnniChannels;
+            const int64_t valid = std::min<int64_t>(kVnniChannels, n_out - n0);
+            int64_t c = 0;
+#if defined(__AVX512F__)
+            if (valid == kVnniChannels) {  // the loop below in 16 lanes, bit for bit
+              const __m512i sums16 = _mm512_loadu_si512(sums + n0);
+              const __m512i product = _mm512_sub_epi32(_mm512_loadu_si512(acc[m][j]),
+                                                       _mm512_slli_epi32(sums16, 7));
+              const __m512 v = _mm512_mul_ps(
+                  _mm512_mul_ps(_mm512_cvtepi32_ps(product), _mm512_set1_ps(rs)),
+                  _mm512_loadu_ps(scales + n0));
+              if (bias != nullptr) {
+                store16(o + n0, _mm512_add_ps(round16<T>(v), load16(bias + n0)));
+              } else {
+                store16(o + n0, v);
+              }
+              c = kVnniChannels;
+            }
+#endif
+            for (; c < valid; ++c) {
+              const int64_t n = n0 + c;
+              const int32_t product = acc[m][j][c] - sums[n] * 128;
+              const float v = static_cast<float>(product) * rs * scales[n];
+              if (bias != nullptr) {
+                store_f(o + n, round_to<T>(v) + load_f(bias + n));
+              } else {
+                store_f(o + n, v);
+              }
+            }
+          }
+        }
+        m0 += mt;
+      }
+    }
+  });
+}
+
+// Semantics: per row t of x [T, K] (contiguous): a = max_k |x[t, k]| / 127 (1 if 0),
+// q[t, k] = round-half-even(x[t, k] / a) clamped to [-127, 127] (quantize_rows_int8);
+// out[t, n] = dtype(float(sum_k q[t, k] * w[n, k]) * a * col_scales[n]), then + bias[n]
+// in the dtype when given (dequantize_int32): bit for bit the int32 product of
+// quantize_rows_int8 + torch._int_mm + dequantize_int32. w [N, K] int8 is given packed
+// ([ceil(N/16), ceil(K/4), 16, 4], zero padded; kernels/int8_matmul.py pack_vnni) with
+// col_sums [N] int32 = sum_k w[n, k]; col_scales [N] fp32; out [T, N] in x's dtype.
+void int8_linear_rows(const Tensor& x, const Tensor& packed, const Tensor& col_sums,
+                      const Tensor& col_scales, const c10::optional<Tensor>& bias, Tensor out) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, K] tensor");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
+                  packed.size(2) == kVnniChannels && packed.size(3) == 4 &&
+                  4 * packed.size(1) >= x.size(1) && 4 * (packed.size(1) - 1) < x.size(1),
+              "packed must be a contiguous [ceil(N/16), ceil(K/4), 16, 4] int8 tensor");
+  const int64_t n_out = out.dim() == 2 ? out.size(1) : -1;
+  TORCH_CHECK(out.is_contiguous() && n_out >= 0 && out.size(0) == x.size(0) &&
+                  out.scalar_type() == x.scalar_type() &&
+                  (n_out + kVnniChannels - 1) / kVnniChannels == packed.size(0),
+              "out must be a contiguous [T, N] tensor in x's dtype");
+  TORCH_CHECK(col_sums.scalar_type() == at::kInt && col_sums.is_contiguous() &&
+                  col_sums.numel() == n_out, "col_sums must be [N] int32");
+  TORCH_CHECK(col_scales.scalar_type() == at::kFloat && col_scales.is_contiguous() &&
+                  col_scales.numel() == n_out, "col_scales must be [N] float32");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n_out &&
+                    bias->scalar_type() == out.scalar_type(), "bias must be [N] in x's dtype");
+  }
+  if (x.size(0) == 0) {
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear_rows", [&] {
+    const scalar_t* bias_data = has_bias ? bias->data_ptr<scalar_t>() : nullptr;
+    int8_linear_rows_kernel<scalar_t>(x, packed, col_sums, col_scales, bias_data, out);
+  });
+}
+
 // ---------------------------------------------------------------- greedy tokens
 
 // One row's (first index of its maximum, whether that maximum is finite and the row
@@ -1567,6 +1756,8 @@ TORCH_LIBRARY(loraplex_cpu, m) {
         "Tensor(b!)? residual_out) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("greedy_tokens(Tensor logits, Tensor(a!) out) -> ()");
+  m.def("int8_linear_rows(Tensor x, Tensor packed, Tensor col_sums, Tensor col_scales, "
+        "Tensor? bias, Tensor(a!) out) -> ()");
   m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(c!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, "
@@ -1582,6 +1773,7 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("greedy_tokens", &greedy_tokens);
+  m.impl("int8_linear_rows", &int8_linear_rows);
   m.impl("rotary_write_kv", &rotary_write_kv);
   m.impl("lora_add", &lora_add);
   m.impl("quantize_rows_int8", &quantize_rows_int8);

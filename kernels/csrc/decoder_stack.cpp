@@ -34,6 +34,8 @@ using PrefillAttentionFn = void(const Tensor&, const Tensor&, const Tensor&, con
 using LoraAddFn = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                        const Tensor&, int64_t);
 using QuantizeRowsFn = void(const Tensor&, Tensor&, Tensor&);
+using Int8RowsFn = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        const std::optional<Tensor>&, Tensor);
 using DequantizeFn = void(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                           Tensor&);
 using PackedLinearFn = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
@@ -60,6 +62,8 @@ struct Ops {
   c10::TypedOperatorHandle<LoraAddFn> lora_add = typed_op<LoraAddFn>("loraplex_cpu::lora_add");
   c10::TypedOperatorHandle<QuantizeRowsFn> quantize_rows =
       typed_op<QuantizeRowsFn>("loraplex_cpu::quantize_rows_int8");
+  c10::TypedOperatorHandle<Int8RowsFn> int8_rows =
+      typed_op<Int8RowsFn>("loraplex_cpu::int8_linear_rows");
   c10::TypedOperatorHandle<DequantizeFn> dequantize =
       typed_op<DequantizeFn>("loraplex_cpu::dequantize_int32");
   c10::TypedOperatorHandle<PackedLinearFn> packed_linear =
@@ -94,9 +98,10 @@ constexpr int64_t kProjections = 4;
 // How the projections multiply (kernels/cpu_matmul.py, kernels/int8_matmul.py).
 enum class Projection { kPacked, kPlain, kInt8Dynamic, kInt8WeightOnly };
 
-// Tensors per projection in `weights`: W; or for int8, q [out, in], q.T [in, out]
-// (dynamic; empty for weight-only), scale [out] fp32, scale [out] bf16.
-constexpr int64_t kInt8Tensors = 4;
+// Tensors per projection in `weights`: W; or for int8, q [out, in] (weight-only; else
+// empty), q.T [in, out] (dynamic; else empty), scale [out] fp32, scale [out] bf16, and
+// the VNNI packing and column sums of q (dynamic on a CPU with VNNI; else empty).
+constexpr int64_t kInt8Tensors = 6;
 
 Projection parse_projection(std::string_view name) {
   if (name == "packed") return Projection::kPacked;
@@ -131,15 +136,25 @@ class Stack {
     }
   }
 
-  // Int8Weight.__call__ with the native ops: W8A8 past `dynamic_min_rows` rows, else
-  // the weight-only product with bf16 activations.
+  // Int8Weight.__call__ with the native ops: W8A8 at every batch (the VNNI rows kernel
+  // up to `dynamic_min_rows` rows where packed, else torch's int8 matmul, rows padded
+  // past that bound), or the weight-only product with bf16 activations.
   Tensor int8_linear(const Tensor* w, const Tensor& x, const std::optional<Tensor>& bias) const {
-    if (kind_ == Projection::kInt8Dynamic && x.size(0) > dynamic_min_rows_) {
+    if (kind_ == Projection::kInt8Dynamic) {
       const Tensor xc = x.contiguous();
+      const int64_t rows = xc.size(0);
+      if (rows <= dynamic_min_rows_ && w[4].numel() > 0) {
+        Tensor out = at::empty({rows, w[2].size(0)}, x.options());
+        ops_.int8_rows.call(xc, w[4], w[5], w[2], bias, out);
+        return out;
+      }
       Tensor quantized = at::empty(xc.sizes(), xc.options().dtype(at::kChar));
-      Tensor row_scales = at::empty({xc.size(0), 1}, xc.options().dtype(at::kFloat));
+      Tensor row_scales = at::empty({rows, 1}, xc.options().dtype(at::kFloat));
       ops_.quantize_rows.call(xc, quantized, row_scales);
-      const Tensor acc = at::_int_mm(quantized, w[1]);
+      const int64_t padding = std::max<int64_t>(0, dynamic_min_rows_ + 1 - rows);
+      const Tensor padded =
+          padding > 0 ? at::constant_pad_nd(quantized, {0, 0, 0, padding}) : quantized;
+      const Tensor acc = at::_int_mm(padded, w[1]).narrow(0, 0, rows).contiguous();
       Tensor out = at::empty(acc.sizes(), x.options());
       ops_.dequantize.call(acc, row_scales, w[2], bias, out);
       return out;
@@ -234,9 +249,9 @@ class Stack {
 // where proj(i, x) = x @ W_i.T + b_i (+ each token's LoRA delta: lora_add with
 // lora_a[i], lora_b[i], lora_slices[i % 4] when token_slots is not empty), multiplied as
 // `projection` says: "packed" (weights [4L] prepacked by oneDNN), "plain" ([4L] of
-// [out, in]), "int8_dynamic" / "int8_weight_only" (weights [16L]: per projection q
-// [out, in] int8, q.T [in, out] (empty for weight-only), scale [out] fp32 and bf16; the
-// dynamic product takes more than `dynamic_min_rows` rows, as kernels/int8_matmul.py).
+// [out, in]), "int8_dynamic" / "int8_weight_only" (weights [24L]: per projection the
+// six tensors of kInt8Tensors; the dynamic product runs the VNNI rows kernel up to
+// `dynamic_min_rows` rows where packed, as kernels/int8_matmul.py).
 // hidden [T, hidden] (the embedded tokens); cos / sin [T, Dh/2]; norm_weights [2L + 1];
 // biases [4L] (None: no bias); kv_caches [L] of [2, N, Hkv, B, Dh]; slot_mapping [T] int64; the first
 // num_decodes tokens are decodes, each with its block table row and key count ([D, W],

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 _EMPTY_LENS = torch.empty(0, dtype=torch.int64)
 _EMPTY_INT8 = torch.empty(0, 0, dtype=torch.int8)
+_EMPTY_INT32 = torch.empty(0, dtype=torch.int32)
 
 
 def _projections(model: LlamaForCausalLM) -> list[MergedLinear]:
@@ -94,8 +95,13 @@ def _weights(kind: str, projections: list[MergedLinear]) -> list[torch.Tensor]:
     weights: list[torch.Tensor] = []
     for p in projections:
         int8 = p.packed
-        transposed = int8.quantized_t if int8.quantized_t is not None else _EMPTY_INT8
-        weights += [int8.quantized, transposed, int8.scale, int8.scale_bf16]
+        if int8.mode == "dynamic":
+            packed, col_sums = int8.vnni if int8.vnni is not None else (_EMPTY_INT8, _EMPTY_INT32)
+            weights += [_EMPTY_INT8, int8.quantized_t, int8.scale, int8.scale_bf16]
+            weights += [packed, col_sums]
+        else:
+            weights += [int8.quantized, _EMPTY_INT8, int8.scale, int8.scale_bf16]
+            weights += [_EMPTY_INT8, _EMPTY_INT32]
     return weights
 
 

@@ -9,7 +9,9 @@ import torch
 from loraplex.kernels.int8_matmul import (
     DYNAMIC_MIN_ROWS,
     Int8Weight,
+    cpu_has_vnni,
     dequantize,
+    pack_vnni,
     quantize_per_channel,
     reference_int8_linear,
 )
@@ -48,16 +50,17 @@ def test_int8_weight_matches_its_reference(weight, mode, rows, dtype):
     assert (got.float() - exact).abs().max() < 0.05 * exact.abs().max()
 
 
-def test_dynamic_rows_quantize_activations_per_token(weight):
-    """Past DYNAMIC_MIN_ROWS rows the product is int8 x int8: a row scaled by 1000 gives
-    its own result scaled by 1000 (its own activation scale), the others unchanged."""
-    layer = Int8Weight.from_float(weight, "dynamic")
-    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("rows", [8, 32])
+def test_dynamic_rows_quantize_activations_per_token(weight, rows):
+    """The product is int8 x int8 at any batch: a row scaled by 1000 gives its own
+    result scaled by 1000 (its own activation scale), the others unchanged."""
+    layer = Int8Weight.from_float(weight, "dynamic", native=True)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3))
     scaled = x.clone()
     scaled[5] *= 1000.0
     base, big = layer(x, None), layer(scaled, None)
     torch.testing.assert_close(big[5], base[5] * 1000.0, rtol=1e-5, atol=1e-3)
-    torch.testing.assert_close(big[torch.arange(32) != 5], base[torch.arange(32) != 5])
+    torch.testing.assert_close(big[torch.arange(rows) != 5], base[torch.arange(rows) != 5])
 
 
 def test_unknown_mode_is_refused(weight):
@@ -80,3 +83,48 @@ def test_native_dynamic_path_equals_the_torch_path(weight, dtype, with_bias):
     plain = Int8Weight.from_float(weight, "dynamic", native=False)(x, bias)
     assert native.dtype == dtype
     assert torch.equal(native, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, DYNAMIC_MIN_ROWS])
+@pytest.mark.parametrize("shape", [(100, 66), (48, 1536)], ids=["ragged", "wide"])
+def test_vnni_rows_kernel_equals_torch_int8_matmul(dtype, rows, shape):
+    """cpu_ops.int8_linear_rows gives quantize_rows_int8 + torch._int_mm (rows padded)
+    + dequantize_int32 bit for bit: ragged N and K (padding), a long K (int32 sums of
+    1,536 products), with and without bias, 1 to 16 rows (every row tile)."""
+    from loraplex.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("no native CPU kernels here")
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(rows * 7 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    quantized, scale = quantize_per_channel(weight)
+    quantized[0] = -128  # the full int8 range, as a checkpoint may store it
+    packed, col_sums = pack_vnni(quantized)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    x[0, :5] = 0.0
+    xq, row_scale = cpu_ops.quantize_rows_int8(x)
+    padded = torch.nn.functional.pad(xq, (0, 0, 0, DYNAMIC_MIN_ROWS + 1 - rows))
+    acc = torch._int_mm(padded, quantized.t().contiguous())[:rows].contiguous()
+    for bias in (None, torch.randn(out_features, generator=generator).to(dtype)):
+        got = cpu_ops.int8_linear_rows(x, packed, col_sums, scale, bias, out_features)
+        want = cpu_ops.dequantize_int32(acc, row_scale, scale, bias, dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 5, DYNAMIC_MIN_ROWS, DYNAMIC_MIN_ROWS + 1])
+def test_native_dynamic_small_batches_equal_the_torch_path(weight, rows):
+    """Up to DYNAMIC_MIN_ROWS rows the native dynamic product (the VNNI rows kernel where
+    the CPU has it) equals the torch path, W8A8 as past it."""
+    from loraplex.kernels import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip("no native CPU kernels here")
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16)
+    native = Int8Weight.from_float(weight, "dynamic", native=True)
+    plain = Int8Weight.from_float(weight, "dynamic", native=False)
+    assert (native.vnni is not None) == cpu_has_vnni()
+    assert torch.equal(native(x, bias), plain(x, bias))
+    assert torch.equal(native.quantized, plain.quantized)

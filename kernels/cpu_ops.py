@@ -213,32 +213,37 @@ def lora_add(
     ops().lora_add(out, x, lora_a, lora_b, token_slots, ranks, num_slices)
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: per row t of x [T, K] (contiguous), a = max_k |x[t, k]| / 127 (1 where
-    that is 0) and q[t] = round(x[t] / a) in [-127, 127], in fp32 -> (q [T, K] int8,
-    a [T, 1] float32). As kernels/int8_matmul.py's torch path."""
+def quantize_rows_int8(
+    x: torch.Tensor, input_scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: per row t of x [T, K] (contiguous), v = x[t] * input_scales (fp32, per
+    channel; x[t] without them), a = max_k |v[k]| / 127 (1 where that is 0) and
+    q[t] = round(v / a) in [-127, 127] -> (q [T, K] int8, a [T, 1] float32). As
+    kernels/int8_matmul.py's torch path."""
     quantized = torch.empty(x.shape, dtype=torch.int8)
     scales = torch.empty(x.shape[0], 1, dtype=torch.float32)
-    ops().quantize_rows_int8(x, quantized, scales)
+    ops().quantize_rows_int8(x, input_scales, quantized, scales)
     return quantized, scales
 
 
 def int8_linear_rows(
     x: torch.Tensor,
+    input_scales: torch.Tensor | None,
     packed: torch.Tensor,
     col_sums: torch.Tensor,
     col_scales: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
 ) -> torch.Tensor:
-    """Semantics: `dequantize_int32(torch._int_mm(*quantize_rows_int8(x)) @ W.T ...)` bit
-    for bit: x [T, K] (contiguous) quantized per row, times the int8 weight W [N, K]
-    given packed for VNNI (`int8_matmul.pack_vnni`: [ceil(N/16), ceil(K/4), 16, 4]) with
-    col_sums [N] int32 = W.sum(1), int32 accumulation, then * row scale * col_scales [N]
-    (+ bias [N] in x's dtype) -> [T, N] in x's dtype. Made for a few rows (decode at a
-    small batch): each weight byte is read once per 4 rows, at memory speed."""
+    """Semantics: `dequantize_int32(torch._int_mm(*quantize_rows_int8(x, input_scales))
+    @ W.T ...)` bit for bit: x [T, K] (contiguous) quantized per row (times the optional
+    per-channel input_scales [K]), times the int8 weight W [N, K] given packed for VNNI
+    (`int8_matmul.pack_vnni`: [ceil(N/16), ceil(K/4), 16, 4]) with col_sums [N] int32 =
+    W.sum(1), int32 accumulation, then * row scale * col_scales [N] (+ bias [N] in x's
+    dtype) -> [T, N] in x's dtype. Made for a few rows (decode at a small batch): each
+    weight byte is read once per 4 rows, at memory speed."""
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    ops().int8_linear_rows(x, packed, col_sums, col_scales, bias, out)
+    ops().int8_linear_rows(x, input_scales, packed, col_sums, col_scales, bias, out)
     return out
 
 

@@ -48,10 +48,11 @@ class StackWeights:
     projection: str
     """One of PROJECTION_KINDS."""
     weights: list[torch.Tensor]
-    """'packed': [4L] oneDNN-prepacked weights; 'plain': [4L] of [out, in]; int8: [24L],
+    """'packed': [4L] oneDNN-prepacked weights; 'plain': [4L] of [out, in]; int8: [28L],
     per projection q [out, in] int8 ('int8_weight_only'; else empty), q.T [in, out]
-    ('int8_dynamic'; else empty), its per-channel scales [out] in fp32 and bf16, and
+    ('int8_dynamic'; else empty), its per-channel scales [out] in fp32 and bf16,
     `int8_matmul.pack_vnni(q)`'s two tensors ('int8_dynamic' on a CPU with VNNI; else
+    empty) and the activations' input scales [in] (`Int8Weight.input_scales`; else
     empty)."""
     biases: list[torch.Tensor | None]
     head_shape: tuple[int, int, int]

@@ -11,13 +11,24 @@ Semantics:
     Int8Weight(q, s, mode)(x, b)                                    x [T, in] -> [T, out]
         'weight_only': x @ dequantize(q, s).T + b, the product in bf16 (x rounded to
                        bf16, fp32 accumulation), returned in x's dtype
-        'dynamic':     per token t: a[t] = max_k |x[t, k]| / 127, xq[t] = round(x[t] / a[t]),
+        'dynamic':     per token t: v = x[t] * c (fp32; c = 1 / input_gain per input
+                       channel, or 1), a[t] = max_k |v[k]| / 127, xq[t] = round(v / a[t]),
                        (xq @ q.T) * a[:, None] * s[None, :] + b    (int32 accumulation),
                        at every T: past DYNAMIC_MIN_ROWS rows torch's int8 matmul, up to
                        it (decode at a small batch, where reading the weight is the cost)
                        the native VNNI rows kernel where the CPU has AVX512-VNNI
                        (`cpu_ops.int8_linear_rows`, the same bits), else torch's with
                        the rows padded
+
+With an input gain g [in] (`from_float(W, 'dynamic', input_gain=g)`, g > 0), q and s
+quantize W * g per output channel and the activations are divided by g before they are
+quantized: the weight is still W (dequantize(q, s) / g), but an input channel that
+the gain makes large (an RMSNorm's weight before the projection) no longer sets every
+token's activation scale. That is SmoothQuant's migration with the norm's weight as
+the activation statistic (no calibration data). The engine smooths the projections an
+RMSNorm feeds (q/k/v, gate/up, and a quantized LM head); on the default model the
+perplexity over bf16 went from +2.4% to +2.2%, +1.6% with the LM head in int8 too
+(docs/benchmarks.md).
 
 `reference_int8_linear` is the plain-torch statement of both, for tests.
 """
@@ -70,12 +81,30 @@ def dequantize(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return quantized.float() * scale[:, None]
 
 
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, in] -> (xq [T, in] int8, a [T, 1] float32), per token (row)."""
-    wide = x.float()
+def _quantize_rows(
+    x: torch.Tensor, input_scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, in] (times input_scales [in], per channel) -> (xq [T, in] int8, a [T, 1]
+    float32), per token (row)."""
+    wide = x.float() if input_scales is None else x.float() * input_scales
     scale = wide.abs().amax(dim=1, keepdim=True) / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return torch.round(wide / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+MIN_INPUT_GAIN = 1e-4
+"""Input gains are clamped to at least this (relative to the largest): a channel an
+RMSNorm zeroes carries zeros, and its weight column is only scaled down."""
+
+
+def smoothing_gain(norm_weight: torch.Tensor) -> torch.Tensor:
+    """The input gain that smooths a projection fed by an RMSNorm of weight
+    `norm_weight` [in]: |norm_weight| in fp32, clamped to MIN_INPUT_GAIN times its
+    largest value (see the module docstring)."""
+    gain = norm_weight.detach().float().abs()
+    return gain.clamp(min=float(gain.max()) * MIN_INPUT_GAIN if gain.numel() else 0.0).clamp(
+        min=torch.finfo(torch.float32).tiny
+    )
 
 
 class Int8Weight:
@@ -88,12 +117,23 @@ class Int8Weight:
     packing; q is then a view of q.T."""
 
     def __init__(
-        self, quantized: torch.Tensor, scale: torch.Tensor, mode: str, native: bool = False
+        self,
+        quantized: torch.Tensor,
+        scale: torch.Tensor,
+        mode: str,
+        native: bool = False,
+        input_gain: torch.Tensor | None = None,
     ) -> None:
         """An int8 weight q [out, in] and its scales [out] as given (values in
-        [-128, 127]: dequantize(q, scale) is the weight); `from_float` quantizes one."""
+        [-128, 127]: dequantize(q, scale) / input_gain is the weight); `from_float`
+        quantizes one. `input_gain` [in] (dynamic mode only): see the module docstring."""
         if mode not in INT8_MODES:
             raise ValueError(f"int8 mode must be one of {INT8_MODES}, got {mode!r}")
+        if input_gain is not None and mode != "dynamic":
+            raise ValueError("an input gain applies to the dynamic int8 mode only")
+        self.input_scales = None if input_gain is None else (1.0 / input_gain.float()).contiguous()
+        """[in] fp32: what each activation channel is multiplied by before it is
+        quantized (1 / input_gain), or None."""
         self.mode = mode
         self.native = native
         quantized = quantized.to(torch.int8)
@@ -121,9 +161,20 @@ class Int8Weight:
         return self.scale.shape[0]
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, mode: str, native: bool = False) -> Int8Weight:
-        """`weight` [out, in] quantized per output channel (`quantize_per_channel`)."""
-        return cls(*quantize_per_channel(weight), mode, native)
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        mode: str,
+        native: bool = False,
+        input_gain: torch.Tensor | None = None,
+    ) -> Int8Weight:
+        """`weight` [out, in] quantized per output channel (`quantize_per_channel`), after
+        its input channels are multiplied by `input_gain` [in] where given."""
+        if input_gain is None:
+            return cls(*quantize_per_channel(weight), mode, native)
+        gain = smoothing_gain(input_gain)
+        scaled = weight.detach().float() * gain
+        return cls(*quantize_per_channel(scaled), mode, native, input_gain=gain)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.mode == "weight_only":
@@ -138,15 +189,21 @@ class Int8Weight:
         if self.vnni is not None and rows <= DYNAMIC_MIN_ROWS:
             packed, col_sums = self.vnni
             return cpu_ops.int8_linear_rows(
-                x.contiguous(), packed, col_sums, self.scale, bias, self.out_features
+                x.contiguous(),
+                self.input_scales,
+                packed,
+                col_sums,
+                self.scale,
+                bias,
+                self.out_features,
             )
         # torch's int8 matmul takes more than DYNAMIC_MIN_ROWS rows: fewer are padded
         padding = max(0, DYNAMIC_MIN_ROWS + 1 - rows)
         if self.native:
-            xq, row_scale = cpu_ops.quantize_rows_int8(x.contiguous())
+            xq, row_scale = cpu_ops.quantize_rows_int8(x.contiguous(), self.input_scales)
             acc = torch._int_mm(F.pad(xq, (0, 0, 0, padding)), self.quantized_t)[:rows]
             return cpu_ops.dequantize_int32(acc.contiguous(), row_scale, self.scale, bias, x.dtype)
-        xq, row_scale = _quantize_rows(x)
+        xq, row_scale = _quantize_rows(x, self.input_scales)
         out = torch._int_mm(F.pad(xq, (0, 0, 0, padding)), self.quantized_t)[:rows].float()
         out.mul_(row_scale).mul_(self.scale)
         out = out.to(x.dtype)
@@ -161,10 +218,11 @@ def reference_int8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     mode: str,
+    input_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`Int8Weight(...)(x, bias)` in plain torch (fp32 arithmetic), for tests."""
     if mode == "dynamic":
-        xq, row_scale = _quantize_rows(x)
+        xq, row_scale = _quantize_rows(x, input_scales)
         out = (xq.double() @ quantized.double().T).float() * row_scale * scale
     else:
         out = x.to(torch.bfloat16).float() @ dequantize(quantized, scale).T

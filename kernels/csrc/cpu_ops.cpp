@@ -1368,16 +1368,26 @@ void lora_add(Tensor out, const Tensor& x, const Tensor& lora_a, const Tensor& l
 // Rounding adds and subtracts 1.5 * 2^23, which rounds any |value| < 2^22 to an
 // integer in the default rounding mode (|x / a| <= 127 here) without a libm call.
 template <typename T>
-inline float quantize_row_int8(const T* x, int8_t* q, int64_t width) {
+inline float quantize_row_int8(const T* x, const float* input_scales, int8_t* q, int64_t width) {
   constexpr float kRound = 12582912.0f;
+  // x[k] * input_scales[k] in fp32 (x[k] without input scales)
+  const auto value = [&](int64_t k) {
+    return input_scales != nullptr ? load_f(x + k) * input_scales[k] : load_f(x + k);
+  };
+#if defined(__AVX512F__)
+  const auto value16 = [&](int64_t k) {
+    return input_scales != nullptr ? _mm512_mul_ps(load16(x + k), _mm512_loadu_ps(input_scales + k))
+                                   : load16(x + k);
+  };
+#endif
   int64_t i = 0;
   float peak = 0.0f;
 #if defined(__AVX512F__)
   __m512 peaks = _mm512_setzero_ps();
-  for (; i + 16 <= width; i += 16) peaks = _mm512_max_ps(peaks, _mm512_abs_ps(load16(x + i)));
+  for (; i + 16 <= width; i += 16) peaks = _mm512_max_ps(peaks, _mm512_abs_ps(value16(i)));
   peak = _mm512_reduce_max_ps(peaks);
 #endif
-  for (int64_t j = i; j < width; ++j) peak = std::max(peak, std::fabs(load_f(x + j)));
+  for (int64_t j = i; j < width; ++j) peak = std::max(peak, std::fabs(value(j)));
   float scale = peak / 127.0f;
   if (!(scale > 0.0f)) scale = 1.0f;
   i = 0;
@@ -1385,7 +1395,7 @@ inline float quantize_row_int8(const T* x, int8_t* q, int64_t width) {
   const __m512 scales = _mm512_set1_ps(scale), rounder = _mm512_set1_ps(kRound);
   const __m512 top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
   for (; i + 16 <= width; i += 16) {
-    __m512 r = _mm512_div_ps(load16(x + i), scales);
+    __m512 r = _mm512_div_ps(value16(i), scales);
     r = _mm512_sub_ps(_mm512_add_ps(r, rounder), rounder);
     r = _mm512_min_ps(top, _mm512_max_ps(bottom, r));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
@@ -1393,39 +1403,53 @@ inline float quantize_row_int8(const T* x, int8_t* q, int64_t width) {
   }
 #endif
   for (int64_t j = i; j < width; ++j) {
-    const float r = (load_f(x + j) / scale + kRound) - kRound;
+    const float r = (value(j) / scale + kRound) - kRound;
     q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
   }
   return scale;
 }
 
+// The optional per-channel input scales [K] fp32 of an int8 op (nullptr: none).
+const float* input_scales_of(const c10::optional<Tensor>& input_scales, int64_t width) {
+  if (!input_scales.has_value() || !input_scales->defined()) {
+    return nullptr;
+  }
+  TORCH_CHECK(input_scales->scalar_type() == at::kFloat && input_scales->is_contiguous() &&
+                  input_scales->numel() == width, "input_scales must be [K] float32");
+  return input_scales->data_ptr<float>();
+}
+
 template <typename T>
-void quantize_rows_int8_kernel(const Tensor& x, Tensor& out, Tensor& scales) {
+void quantize_rows_int8_kernel(const Tensor& x, const float* input_scales, Tensor& out,
+                               Tensor& scales) {
   const int64_t rows = x.size(0), width = x.size(1);
   const T* x_data = x.data_ptr<T>();
   int8_t* q_data = out.data_ptr<int8_t>();
   float* scale_data = scales.data_ptr<float>();
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      scale_data[row] =
-          quantize_row_int8(x_data + row * width, q_data + row * width, width);
+      scale_data[row] = quantize_row_int8(x_data + row * width, input_scales,
+                                          q_data + row * width, width);
     }
   });
 }
 
-// Semantics: per row t of x [T, K] (contiguous): a = max_k |x[t, k]| / 127 (1 if that
-// is 0), q[t, k] = round-half-even(x[t, k] / a) clamped to [-127, 127]; writes q into
-// `out` [T, K] int8 and a into `scales` [T, 1] float32 (kernels/int8_matmul.py's
-// torch path, in fp32).
-void quantize_rows_int8(const Tensor& x, Tensor& out, Tensor& scales) {
+// Semantics: per row t of x [T, K] (contiguous), with v = x[t] * input_scales (fp32,
+// per channel; v = x[t] without input_scales [K] float32): a = max_k |v[k]| / 127 (1 if
+// that is 0), q[t, k] = round-half-even(v[k] / a) clamped to [-127, 127]; writes q into
+// `out` [T, K] int8 and a into `scales` [T, 1] float32 (kernels/int8_matmul.py's torch
+// path, in fp32).
+void quantize_rows_int8(const Tensor& x, const c10::optional<Tensor>& input_scales, Tensor& out,
+                        Tensor& scales) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, K] tensor");
   TORCH_CHECK(out.scalar_type() == at::kChar && out.is_contiguous() &&
                   out.sizes() == x.sizes(), "out must be a contiguous int8 tensor of x's shape");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == x.size(0), "scales must be a contiguous [T, 1] float32");
+  const float* channel = input_scales_of(input_scales, x.size(1));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_int8", [&] {
-    quantize_rows_int8_kernel<scalar_t>(x, out, scales);
+    quantize_rows_int8_kernel<scalar_t>(x, channel, out, scales);
   });
 }
 
@@ -1565,8 +1589,9 @@ inline void int8_rows_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w,
 }
 
 template <typename T>
-void int8_linear_rows_kernel(const Tensor& x, const Tensor& packed, const Tensor& col_sums,
-                             const Tensor& col_scales, const T* bias, Tensor& out) {
+void int8_linear_rows_kernel(const Tensor& x, const float* input_scales, const Tensor& packed,
+                             const Tensor& col_sums, const Tensor& col_scales, const T* bias,
+                             Tensor& out) {
   const int64_t rows = x.size(0), width = x.size(1), n_out = out.size(1);
   const int64_t blocks = packed.size(0), k4s = packed.size(1), padded = 4 * k4s;
   const T* x_data = x.data_ptr<T>();
@@ -1574,7 +1599,8 @@ void int8_linear_rows_kernel(const Tensor& x, const Tensor& packed, const Tensor
   std::vector<int8_t> quantized(rows * padded, 0);
   std::vector<float> row_scales(rows);
   for (int64_t t = 0; t < rows; ++t) {
-    row_scales[t] = quantize_row_int8(x_data + t * width, quantized.data() + t * padded, width);
+    row_scales[t] = quantize_row_int8(x_data + t * width, input_scales,
+                                      quantized.data() + t * padded, width);
   }
   std::vector<uint8_t> xu(rows * padded);
   for (int64_t i = 0; i < rows * padded; ++i) {
@@ -1635,15 +1661,16 @@ void int8_linear_rows_kernel(const Tensor& x, const Tensor& packed, const Tensor
   });
 }
 
-// Semantics: per row t of x [T, K] (contiguous): a = max_k |x[t, k]| / 127 (1 if 0),
-// q[t, k] = round-half-even(x[t, k] / a) clamped to [-127, 127] (quantize_rows_int8);
+// Semantics: per row t of x [T, K] (contiguous), quantized as quantize_rows_int8 does
+// (with its optional per-channel input_scales): q[t], a;
 // out[t, n] = dtype(float(sum_k q[t, k] * w[n, k]) * a * col_scales[n]), then + bias[n]
 // in the dtype when given (dequantize_int32): bit for bit the int32 product of
 // quantize_rows_int8 + torch._int_mm + dequantize_int32. w [N, K] int8 is given packed
 // ([ceil(N/16), ceil(K/4), 16, 4], zero padded; kernels/int8_matmul.py pack_vnni) with
 // col_sums [N] int32 = sum_k w[n, k]; col_scales [N] fp32; out [T, N] in x's dtype.
-void int8_linear_rows(const Tensor& x, const Tensor& packed, const Tensor& col_sums,
-                      const Tensor& col_scales, const c10::optional<Tensor>& bias, Tensor out) {
+void int8_linear_rows(const Tensor& x, const c10::optional<Tensor>& input_scales,
+                      const Tensor& packed, const Tensor& col_sums, const Tensor& col_scales,
+                      const c10::optional<Tensor>& bias, Tensor out) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, K] tensor");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
@@ -1669,7 +1696,8 @@ void int8_linear_rows(const Tensor& x, const Tensor& packed, const Tensor& col_s
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear_rows", [&] {
     const scalar_t* bias_data = has_bias ? bias->data_ptr<scalar_t>() : nullptr;
-    int8_linear_rows_kernel<scalar_t>(x, packed, col_sums, col_scales, bias_data, out);
+    int8_linear_rows_kernel<scalar_t>(x, input_scales_of(input_scales, x.size(1)), packed,
+                                      col_sums, col_scales, bias_data, out);
   });
 }
 
@@ -1756,13 +1784,13 @@ TORCH_LIBRARY(loraplex_cpu, m) {
         "Tensor(b!)? residual_out) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("greedy_tokens(Tensor logits, Tensor(a!) out) -> ()");
-  m.def("int8_linear_rows(Tensor x, Tensor packed, Tensor col_sums, Tensor col_scales, "
-        "Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("int8_linear_rows(Tensor x, Tensor? input_scales, Tensor packed, Tensor col_sums, "
+        "Tensor col_scales, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(c!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, "
         "Tensor token_slots, Tensor slot_ranks, int num_slices) -> ()");
-  m.def("quantize_rows_int8(Tensor x, Tensor(a!) out, Tensor(b!) scales) -> ()");
+  m.def("quantize_rows_int8(Tensor x, Tensor? input_scales, Tensor(a!) out, Tensor(b!) scales) -> ()");
   m.def("dequantize_int32(Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias, "
         "Tensor(a!) out) -> ()");
 }

@@ -33,9 +33,9 @@ using PrefillAttentionFn = void(const Tensor&, const Tensor&, const Tensor&, con
                                 const Tensor&, double, Tensor);
 using LoraAddFn = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                        const Tensor&, int64_t);
-using QuantizeRowsFn = void(const Tensor&, Tensor&, Tensor&);
-using Int8RowsFn = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                        const std::optional<Tensor>&, Tensor);
+using QuantizeRowsFn = void(const Tensor&, const std::optional<Tensor>&, Tensor&, Tensor&);
+using Int8RowsFn = void(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
+                        const Tensor&, const std::optional<Tensor>&, Tensor);
 using DequantizeFn = void(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                           Tensor&);
 using PackedLinearFn = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
@@ -99,9 +99,10 @@ constexpr int64_t kProjections = 4;
 enum class Projection { kPacked, kPlain, kInt8Dynamic, kInt8WeightOnly };
 
 // Tensors per projection in `weights`: W; or for int8, q [out, in] (weight-only; else
-// empty), q.T [in, out] (dynamic; else empty), scale [out] fp32, scale [out] bf16, and
-// the VNNI packing and column sums of q (dynamic on a CPU with VNNI; else empty).
-constexpr int64_t kInt8Tensors = 6;
+// empty), q.T [in, out] (dynamic; else empty), scale [out] fp32, scale [out] bf16, the
+// VNNI packing and column sums of q (dynamic on a CPU with VNNI; else empty), and the
+// activations' per-channel input scales [in] (dynamic with smoothing; else empty).
+constexpr int64_t kInt8Tensors = 7;
 
 Projection parse_projection(std::string_view name) {
   if (name == "packed") return Projection::kPacked;
@@ -143,14 +144,16 @@ class Stack {
     if (kind_ == Projection::kInt8Dynamic) {
       const Tensor xc = x.contiguous();
       const int64_t rows = xc.size(0);
+      const std::optional<Tensor> input_scales =
+          w[6].numel() > 0 ? std::optional<Tensor>(w[6]) : std::nullopt;
       if (rows <= dynamic_min_rows_ && w[4].numel() > 0) {
         Tensor out = at::empty({rows, w[2].size(0)}, x.options());
-        ops_.int8_rows.call(xc, w[4], w[5], w[2], bias, out);
+        ops_.int8_rows.call(xc, input_scales, w[4], w[5], w[2], bias, out);
         return out;
       }
       Tensor quantized = at::empty(xc.sizes(), xc.options().dtype(at::kChar));
       Tensor row_scales = at::empty({rows, 1}, xc.options().dtype(at::kFloat));
-      ops_.quantize_rows.call(xc, quantized, row_scales);
+      ops_.quantize_rows.call(xc, input_scales, quantized, row_scales);
       const int64_t padding = std::max<int64_t>(0, dynamic_min_rows_ + 1 - rows);
       const Tensor padded =
           padding > 0 ? at::constant_pad_nd(quantized, {0, 0, 0, padding}) : quantized;
@@ -249,7 +252,7 @@ class Stack {
 // where proj(i, x) = x @ W_i.T + b_i (+ each token's LoRA delta: lora_add with
 // lora_a[i], lora_b[i], lora_slices[i % 4] when token_slots is not empty), multiplied as
 // `projection` says: "packed" (weights [4L] prepacked by oneDNN), "plain" ([4L] of
-// [out, in]), "int8_dynamic" / "int8_weight_only" (weights [24L]: per projection the
+// [out, in]), "int8_dynamic" / "int8_weight_only" (weights [28L]: per projection the
 // six tensors of kInt8Tensors; the dynamic product runs the VNNI rows kernel up to
 // `dynamic_min_rows` rows where packed, as kernels/int8_matmul.py).
 // hidden [T, hidden] (the embedded tokens); cos / sin [T, Dh/2]; norm_weights [2L + 1];

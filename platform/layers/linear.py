@@ -98,13 +98,13 @@ class MergedLinear(nn.Module):
         self.packed = PackedWeight.maybe(self.weight)
 
     @torch.no_grad()
-    def quantize(self, mode: str, native: bool) -> None:
+    def quantize(self, mode: str, native: bool, input_gain: torch.Tensor | None = None) -> None:
         """Replaces the loaded weight by its int8 form (kernels/int8_matmul.py, CPU;
-        `native`: with the native CPU ops); `weight` keeps its dtype and device, and no
-        values."""
+        `native`: with the native CPU ops; `input_gain`: the smoothing of the RMSNorm
+        before it, dynamic mode); `weight` keeps its dtype and device, and no values."""
         if self.weight.device.type != "cpu":
             raise ValueError(f"int8 projections run on a CPU, not {self.weight.device}")
-        self.packed = Int8Weight.from_float(self.weight, mode, native)
+        self.packed = Int8Weight.from_float(self.weight, mode, native, input_gain)
         self.weight.data = self.weight.new_empty(0)
 
     def prepare_int8_load(self) -> None:

@@ -342,19 +342,32 @@ class LlamaForCausalLM(nn.Module):
             ignored += [name + "_zero_point" for name in targets if name.endswith(".weight")]
         load_checkpoint(Path(folder), targets, ignored)
         native = self.kernels == "cpu"
+        gains = self._smoothing_gains() if quantization == "dynamic" else {}
         for module in projections:
             if int8_checkpoint:
                 module.finish_int8_load(quantization, native)
             elif quantization is None:
                 module.pack()
             else:
-                module.quantize(quantization, native)
+                module.quantize(quantization, native, gains.get(module))
         if quantization is not None and quantize_lm_head:
             self.packed_lm_head = Int8Weight.from_float(
-                self.lm_head, quantization, self.kernels == "cpu"
+                self.lm_head,
+                quantization,
+                self.kernels == "cpu",
+                self.norm.weight if quantization == "dynamic" else None,
             )
         else:
             self.packed_lm_head = PackedWeight.maybe(self.lm_head)
+
+    def _smoothing_gains(self) -> dict[MergedLinear, torch.Tensor]:
+        """The projections an RMSNorm feeds, each with that norm's weight: W8A8 quantizes
+        their activations divided by it (kernels/int8_matmul.py, input gain)."""
+        gains: dict[MergedLinear, torch.Tensor] = {}
+        for layer in self.layers:
+            gains[layer.self_attn.qkv_proj] = layer.input_layernorm.weight
+            gains[layer.mlp.gate_up_proj] = layer.post_attention_layernorm.weight
+        return gains
 
 
 def _int8_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:

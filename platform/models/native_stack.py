@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 _EMPTY_LENS = torch.empty(0, dtype=torch.int64)
 _EMPTY_INT8 = torch.empty(0, 0, dtype=torch.int8)
 _EMPTY_INT32 = torch.empty(0, dtype=torch.int32)
+_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
 
 
 def _projections(model: LlamaForCausalLM) -> list[MergedLinear]:
@@ -97,11 +98,12 @@ def _weights(kind: str, projections: list[MergedLinear]) -> list[torch.Tensor]:
         int8 = p.packed
         if int8.mode == "dynamic":
             packed, col_sums = int8.vnni if int8.vnni is not None else (_EMPTY_INT8, _EMPTY_INT32)
+            input_scales = int8.input_scales if int8.input_scales is not None else _EMPTY_F32
             weights += [_EMPTY_INT8, int8.quantized_t, int8.scale, int8.scale_bf16]
-            weights += [packed, col_sums]
+            weights += [packed, col_sums, input_scales]
         else:
             weights += [int8.quantized, _EMPTY_INT8, int8.scale, int8.scale_bf16]
-            weights += [_EMPTY_INT8, _EMPTY_INT32]
+            weights += [_EMPTY_INT8, _EMPTY_INT32, _EMPTY_F32]
     return weights
 
 

@@ -14,6 +14,7 @@ from loraplex.kernels.int8_matmul import (
     pack_vnni,
     quantize_per_channel,
     reference_int8_linear,
+    smoothing_gain,
 )
 
 
@@ -91,7 +92,8 @@ def test_native_dynamic_path_equals_the_torch_path(weight, dtype, with_bias):
 def test_vnni_rows_kernel_equals_torch_int8_matmul(dtype, rows, shape):
     """cpu_ops.int8_linear_rows gives quantize_rows_int8 + torch._int_mm (rows padded)
     + dequantize_int32 bit for bit: ragged N and K (padding), a long K (int32 sums of
-    1,536 products), with and without bias, 1 to 16 rows (every row tile)."""
+    1,536 products), with and without bias and input scales, 1 to 16 rows (every row
+    tile)."""
     from loraplex.kernels import cpu_ops
 
     if not cpu_ops.load():
@@ -104,11 +106,13 @@ def test_vnni_rows_kernel_equals_torch_int8_matmul(dtype, rows, shape):
     packed, col_sums = pack_vnni(quantized)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     x[0, :5] = 0.0
-    xq, row_scale = cpu_ops.quantize_rows_int8(x)
-    padded = torch.nn.functional.pad(xq, (0, 0, 0, DYNAMIC_MIN_ROWS + 1 - rows))
-    acc = torch._int_mm(padded, quantized.t().contiguous())[:rows].contiguous()
-    for bias in (None, torch.randn(out_features, generator=generator).to(dtype)):
-        got = cpu_ops.int8_linear_rows(x, packed, col_sums, scale, bias, out_features)
+    channel = torch.rand(in_features, generator=generator) * 4
+    some_bias = torch.randn(out_features, generator=generator).to(dtype)
+    for input_scales, bias in ((None, None), (None, some_bias), (channel, some_bias)):
+        xq, row_scale = cpu_ops.quantize_rows_int8(x, input_scales)
+        padded = torch.nn.functional.pad(xq, (0, 0, 0, DYNAMIC_MIN_ROWS + 1 - rows))
+        acc = torch._int_mm(padded, quantized.t().contiguous())[:rows].contiguous()
+        got = cpu_ops.int8_linear_rows(x, input_scales, packed, col_sums, scale, bias, out_features)
         want = cpu_ops.dequantize_int32(acc, row_scale, scale, bias, dtype)
         assert got.dtype == dtype and torch.equal(got, want)
 
@@ -128,3 +132,41 @@ def test_native_dynamic_small_batches_equal_the_torch_path(weight, rows):
     assert (native.vnni is not None) == cpu_has_vnni()
     assert torch.equal(native(x, bias), plain(x, bias))
     assert torch.equal(native.quantized, plain.quantized)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("rows", [5, 40])
+def test_an_input_gain_smooths_an_outlier_channel(weight, native, rows):
+    """Activations whose channels a norm's weight scales unevenly (one channel 40x),
+    into a weight whose columns that norm's scale was trained against (divided by it,
+    as the norm and projection of a trained model balance): with the norm's weight as
+    input gain the W8A8 product keeps the float weight (dequantized / gain), matches its
+    reference (native or not, small or large batch) and is several times closer to the
+    float product than without it."""
+    from loraplex.kernels import cpu_ops
+
+    if native and not cpu_ops.load():
+        pytest.skip("no native CPU kernels here")
+    generator = torch.Generator().manual_seed(rows)
+    norm_weight = torch.rand(64, generator=generator) + 0.5
+    norm_weight[9] = 40.0
+    weight = weight / norm_weight
+    x = torch.randn(rows, 64, generator=generator) * norm_weight
+    smooth = Int8Weight.from_float(weight, "dynamic", native, input_gain=norm_weight)
+    plain = Int8Weight.from_float(weight, "dynamic", native)
+    gain = smoothing_gain(norm_weight)
+    error = (dequantize(smooth.quantized, smooth.scale) / gain - weight).abs()
+    assert (error <= smooth.scale[:, None] / gain / 2 + 1e-6).all()
+    got = smooth(x, None)
+    want = reference_int8_linear(
+        x, smooth.quantized, smooth.scale, None, "dynamic", smooth.input_scales
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    exact = x @ weight.T
+    smoothed_error = (got - exact).abs().mean()
+    assert smoothed_error * 3 < (plain(x, None) - exact).abs().mean()
+
+
+def test_an_input_gain_is_for_the_dynamic_mode(weight):
+    with pytest.raises(ValueError, match="dynamic int8 mode only"):
+        Int8Weight.from_float(weight, "weight_only", input_gain=torch.ones(64))

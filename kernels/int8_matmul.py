@@ -102,9 +102,8 @@ def smoothing_gain(norm_weight: torch.Tensor) -> torch.Tensor:
     `norm_weight` [in]: |norm_weight| in fp32, clamped to MIN_INPUT_GAIN times its
     largest value (see the module docstring)."""
     gain = norm_weight.detach().float().abs()
-    return gain.clamp(min=float(gain.max()) * MIN_INPUT_GAIN if gain.numel() else 0.0).clamp(
-        min=torch.finfo(torch.float32).tiny
-    )
+    floor = max(float(gain.max()) * MIN_INPUT_GAIN, torch.finfo(torch.float32).tiny)
+    return gain.clamp(min=floor)
 
 
 class Int8Weight:

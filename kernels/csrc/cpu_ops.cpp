@@ -1595,16 +1595,15 @@ void int8_linear_rows_kernel(const Tensor& x, const float* input_scales, const T
   const int64_t rows = x.size(0), width = x.size(1), n_out = out.size(1);
   const int64_t blocks = packed.size(0), k4s = packed.size(1), padded = 4 * k4s;
   const T* x_data = x.data_ptr<T>();
-  // Quantized rows, + 128 as bytes (x ^ 0x80), padded with quantized zeros.
-  std::vector<int8_t> quantized(rows * padded, 0);
+  // Quantized rows padded with quantized zeros, then + 128 as bytes (q ^ 0x80), in place.
+  std::vector<uint8_t> xu(rows * padded, 0);
   std::vector<float> row_scales(rows);
   for (int64_t t = 0; t < rows; ++t) {
     row_scales[t] = quantize_row_int8(x_data + t * width, input_scales,
-                                      quantized.data() + t * padded, width);
+                                      reinterpret_cast<int8_t*>(xu.data() + t * padded), width);
   }
-  std::vector<uint8_t> xu(rows * padded);
-  for (int64_t i = 0; i < rows * padded; ++i) {
-    xu[i] = static_cast<uint8_t>(quantized[i]) ^ 0x80u;
+  for (uint8_t& byte : xu) {
+    byte ^= 0x80u;
   }
   const int8_t* w = packed.data_ptr<int8_t>();
   const int32_t* sums = col_sums.data_ptr<int32_t>();

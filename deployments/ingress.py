@@ -53,6 +53,7 @@ from loraplex.adapters.fetch import store_files
 from loraplex.deployments.adapter_fetching import AdapterFetching
 from loraplex.deployments.adapter_validation import AdapterValidator
 from loraplex.deployments.admission import FleetAdmission
+from loraplex.deployments.body_limit import BodyLimit
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import (
     ModelDeploymentConfig,
@@ -127,6 +128,7 @@ REPLACED_RESENDS = 3
 """How many times a call whose adapter version was replaced in flight is sent again."""
 
 app = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
+app.add_middleware(BodyLimit)
 app.add_middleware(InFlightGate)
 REQUEST_BODIES = {
     ("/v1/completions", "post"): CompletionRequest,

@@ -15,10 +15,10 @@ export RAY_USAGE_STATS_ENABLED=0
 mkdir -p "$OUT"
 {
     echo "== 1. 64 concurrent streams, base model, first burst after ready + 2 more"
-    "${BENCH[@]}" --bursts 3 --offline-baseline --output-dir "$OUT/concurrent"
+    "${BENCH[@]}" --bursts 3 --offline-baseline --cpu-breakdown auto --output-dir "$OUT/concurrent"
     echo "== 2. single stream, 768-token shared prefix + 32 -> 32"
     "${BENCH[@]}" --max-concurrency 1 --num-prompts 8 --prefix-len 768 --prompt-len 32 \
-        --output-len 32 --offline-baseline --output-dir "$OUT/single"
+        --output-len 32 --offline-baseline --cpu-breakdown auto --output-dir "$OUT/single"
     echo "== 3. 64 concurrent streams over 8 adapters vs the base model"
     "${BENCH[@]}" --synthetic-adapters 8 --compare-base --bursts 2 --output-dir "$OUT/adapters"
 } 2>&1 | grep -v "it/s\]" | tee "$OUT/summary.txt"

@@ -1,7 +1,10 @@
 """Writes deploy/kuberay/rayservice.yaml: rayservice.base.yaml with serve_config.yaml
 embedded as `serveConfigV2`, so the RayService and `serve run` share one serve config.
-The only change is where the proxy listens (every interface: a pod serves its port to
-the cluster). `--check` exits 1 when rayservice.yaml is out of date."""
+The only change is who serves HTTP: `serve run` has the ingress replica serve it itself
+(`ingress.direct_http_port`), while in pods Serve's proxy does, on every interface of
+the head, port 8000 (KubeRay's Service and health checks go to the proxy, and the
+ingress replica may run on any pod). `--check` exits 1 when rayservice.yaml is out of
+date."""
 
 from __future__ import annotations
 
@@ -13,14 +16,35 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-POD_HTTP_HOST = "0.0.0.0"
+POD_HTTP_OPTIONS = {"host": "0.0.0.0", "port": 8000}
+POD_PROXY_LOCATION = "HeadOnly"
+DIRECT_HTTP_FIELDS = ("direct_http_port", "direct_http_host")
 
 
 def serve_config_for_pods(serve_config: dict) -> dict:
-    """The serve config as pods run it: the proxy listens on every interface."""
-    config = dict(serve_config)
-    config["http_options"] = {**config.get("http_options", {}), "host": POD_HTTP_HOST}
-    return config
+    """The serve config as pods run it: Serve's proxy on the head serves HTTP on every
+    interface, and no ingress replica binds a port of its own."""
+    rest = {
+        key: value
+        for key, value in serve_config.items()
+        if key not in ("proxy_location", "http_options", "applications")
+    }
+    return {
+        "proxy_location": POD_PROXY_LOCATION,
+        "http_options": dict(POD_HTTP_OPTIONS),
+        **rest,
+        "applications": [_without_direct_http(app) for app in serve_config["applications"]],
+    }
+
+
+def _without_direct_http(application: dict) -> dict:
+    args = application.get("args", {})
+    ingress = {
+        key: value
+        for key, value in args.get("ingress", {}).items()
+        if key not in DIRECT_HTTP_FIELDS
+    }
+    return {**application, "args": {**args, "ingress": ingress}}
 
 
 class _Dumper(yaml.SafeDumper):

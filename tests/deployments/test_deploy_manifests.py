@@ -35,9 +35,15 @@ def test_the_rayservice_embeds_serve_config_yaml():
     service = yaml.safe_load(RAYSERVICE.read_text())
     embedded = yaml.safe_load(service["spec"]["serveConfigV2"])
     source = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    # serve run: the ingress replica serves HTTP itself; pods: Serve's proxy on the head.
+    assert source["proxy_location"] == "Disabled"
+    assert embedded["proxy_location"] == "HeadOnly"
+    assert embedded["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    for app in source["applications"]:
+        assert app["args"]["ingress"].pop("direct_http_port") == 8000
+        app["args"]["ingress"].pop("direct_http_host")
     assert embedded["applications"] == source["applications"]
-    assert embedded["proxy_location"] == source["proxy_location"]
-    assert embedded["http_options"] == {**source["http_options"], "host": "0.0.0.0"}
+    assert embedded["controller_options"] == source["controller_options"]
     head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
     from loraplex.deployments.config import IngressOptions, ServerOptions
 
@@ -56,16 +62,26 @@ SHIPPED_SERVE_CONFIGS = sorted(ROOT.glob("scripts/*config.yaml"))
 
 @pytest.mark.parametrize("path", SHIPPED_SERVE_CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_serve_config_runs_serve_as_serve_config_yaml_does(path):
-    """Serve's settings (the proxy middleware, the idle-cost intervals) have one home,
-    serve_config.yaml: each benchmark app takes them as they are, for its controller and
-    for its replicas, so what it measures is what `serve run serve_config.yaml` runs."""
+    """Serve's settings (the proxy middleware, the idle-cost intervals) and who serves
+    HTTP have one home, serve_config.yaml: each benchmark app takes them as they are, for
+    its controller and for its replicas, so what it measures is what `serve run
+    serve_config.yaml` runs."""
     source = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     settings = source["controller_options"]["runtime_env"]["env_vars"]
     assert [app["runtime_env"]["env_vars"] for app in source["applications"]] == [settings]
+    http = {
+        key: value
+        for key, value in source["applications"][0]["args"]["ingress"].items()
+        if key.startswith("direct_http")
+    }
     config = yaml.safe_load(path.read_text())
     assert config["controller_options"] == source["controller_options"]
+    assert config["proxy_location"] == source["proxy_location"]
+    assert config.get("http_options") == source.get("http_options")
     for app in config["applications"]:
         assert app["runtime_env"] == {"env_vars": settings}, app["name"]
+        ingress = app["args"]["ingress"]
+        assert {k: v for k, v in ingress.items() if k.startswith("direct_http")} == http
 
 
 SERVE_PORT = 8000

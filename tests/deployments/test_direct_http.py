@@ -6,6 +6,8 @@ model replica's KV blocks come back)."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 
 import httpx
@@ -108,3 +110,31 @@ def test_a_client_leaving_mid_stream_on_the_ingress_port_aborts_its_request(dire
             time.sleep(0.1)
     finally:
         handle.disarm_failpoints.remote().result()
+
+
+def test_a_body_past_the_limit_gets_413_unread_on_the_ingress_port(direct_app):
+    """No proxy refuses it first: a request announcing 64 MiB gets 413 in OpenAI error
+    JSON with none of its body sent, and one that sends 1.5 MiB in chunks, without a
+    length, gets it too."""
+    _, direct, _ = direct_app
+    host, port = direct.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 67108864\r\n\r\n"
+        )
+        reply = connection.makefile("rb")
+        status = reply.readline()
+        headers = {}
+        while (line := reply.readline().strip()) != b"":
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        body = reply.read(int(headers[b"content-length"]))
+    assert status.startswith(b"HTTP/1.1 413"), status
+    assert json.loads(body)["error"]["message"], body
+    sent = json.dumps({"model": "tiny-direct", "prompt": "w1 " * 500_000}).encode()
+    chunks = (sent[i : i + 65536] for i in range(0, len(sent), 65536))
+    with httpx.Client(timeout=30) as http:
+        response = http.post(f"{direct}/v1/completions", content=chunks)
+    assert response.status_code == 413
+    assert response.json()["error"]["message"]

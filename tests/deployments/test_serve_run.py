@@ -1,6 +1,7 @@
 """The README's quick start, for real: `serve run serve_config.yaml` from the repository
-root starts the platform on the embedded default model; a completion sent the moment
-the port accepts a connection gets its answer; the demo tenant chats with it
+root starts the platform on the embedded default model, served over HTTP by the ingress
+replica itself (no Serve proxy process); a completion sent the moment the port accepts a
+connection gets its answer; the demo tenant chats with it
 (base and a demo adapter) through the `openai` SDK; Ctrl-C stops it cleanly, even when
 the parent ignores SIGINT (a background job of a non-interactive shell, some CI runners):
 the child gets the default dispositions back (`default_stop_signals`)."""
@@ -44,9 +45,10 @@ def _port_open() -> bool:
 
 
 def _first_completion(timeout_s: float) -> tuple[int, str]:
-    """A completion sent the moment the port accepts a connection: before the app's
-    routes exist and through the model's cold start, it must wait for its answer
-    (proxy_middleware.py), not get Serve's 404 or a 503."""
+    """A completion sent the moment the port accepts a connection (the ingress replica
+    opens it as it starts, before the model's replica is up): it must wait through the
+    model's cold start for its answer (the ingress's `cold_start_wait_s`), not get a
+    404 or a 503."""
     body = {"model": MODEL, "prompt": "Hello, my name is", "max_tokens": 4}
     request = urllib.request.Request(
         f"{URL}/v1/completions",
@@ -111,6 +113,11 @@ def test_serve_run_serve_config_answers_chat_and_stops_cleanly(tmp_path):
             model=f"{MODEL}:french", messages=messages, max_tokens=24, temperature=0
         )
         assert french.choices[0].message.content != base.choices[0].message.content
+        titles = subprocess.run(
+            ["ps", "-s", str(process.pid), "-o", "args="], capture_output=True, text=True
+        ).stdout
+        assert "ServeReplica:loraplex:OpenAIIngress" in titles, titles
+        assert "ProxyActor" not in titles, titles
     finally:
         os.killpg(process.pid, signal.SIGINT)
         try:

@@ -18,7 +18,7 @@ Semantics of the layer ops (shapes as the layers pass them):
         maximum is finite and the row holds no NaN, else 0 (the index is then any).
 
 And of the LoRA ops (layout in lora.py):
-    lora_stack(max_loras, max_rank, in_features, out_features, num_slices, dtype, device)
+    lora_stack(max_loras, max_rank, in_features, output_sizes, dtype, device)
         -> zeroed LoRAStack in this backend's layout and slot dtype (`dtype` is the
         projection's weight dtype).
     add_lora(out, x, stack, batch): out [T, out] += each token's adapter delta of
@@ -29,6 +29,7 @@ Register another family with `@register_backend("name")`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -85,8 +86,7 @@ class KernelBackend(Protocol):
         max_loras: int,
         max_rank: int,
         in_features: int,
-        out_features: int,
-        num_slices: int,
+        output_sizes: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
     ) -> LoRAStack: ...
@@ -202,17 +202,17 @@ class TorchBackend:
         max_loras: int,
         max_rank: int,
         in_features: int,
-        out_features: int,
-        num_slices: int,
+        output_sizes: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
     ) -> LoRAStack:
-        width = num_slices * max_rank
+        width = len(output_sizes) * max_rank
         dtype = self._slot_dtype(dtype)
+        slice_ends = tuple(itertools.accumulate(output_sizes))
         return LoRAStack(
             a=torch.zeros(max_loras, width, in_features, dtype=dtype, device=device),
-            b=self._zeros_b(max_loras, out_features, width, dtype, device),
-            num_slices=num_slices,
+            b=self._zeros_b(max_loras, slice_ends[-1], width, dtype, device),
+            slice_ends=slice_ends,
         )
 
     def _slot_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
@@ -329,7 +329,7 @@ class CpuBackend(TorchBackend):
         self, out: torch.Tensor, x: torch.Tensor, stack: LoRAStack, batch: LoRABatch
     ) -> None:
         if not batch.empty:
-            cpu_add_lora(out, x, stack.a, stack.b, batch, stack.num_slices)
+            cpu_add_lora(out, x, stack.a, stack.b, batch, stack.slice_ends)
 
 
 @register_backend("triton")

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -200,17 +201,20 @@ def lora_add(
     lora_b: torch.Tensor,
     token_slots: torch.Tensor,
     slot_ranks: torch.Tensor | None,
-    num_slices: int,
+    slice_ends: Sequence[int],
 ) -> None:
-    """Semantics (per token, see kernels/lora.py): with s = token_slots[t] >= 0 and
-    w = min(R, num_slices * slot_ranks[s]) (R without slot_ranks):
+    """Semantics (per token, see kernels/lora.py): with s = token_slots[t] >= 0,
+    S = len(slice_ends) and w = min(R, S * slot_ranks[s]) (R without slot_ranks):
         out[t] += dtype(lora_b[s, :, :w] @ (lora_a[s, :w] @ x[t]))
+    where lora_b[s] is block-diagonal by slice: output columns up to slice_ends[i] (and
+    from slice_ends[i - 1]) read only rank columns i * w / S .. (i + 1) * w / S, and
+    the kernel skips the zero blocks. slice_ends increase; the last is out's width.
     x [T, in], out [T, out] (model dtype); lora_a [L, R, in] fp32; lora_b [L, out, R]
     fp32 stored rank-major (lora_b.stride(1) == 1); token_slots [T] int64, -1 = none;
     slot_ranks [L] int64 or None. In place on `out`. Decodes and prefill chunks alike:
     tokens of one slot are processed in runs that share each A row and B column."""
     ranks = slot_ranks if slot_ranks is not None else token_slots.new_empty(0)
-    ops().lora_add(out, x, lora_a, lora_b, token_slots, ranks, num_slices)
+    ops().lora_add(out, x, lora_a, lora_b, token_slots, ranks, list(slice_ends))
 
 
 def quantize_rows_int8(

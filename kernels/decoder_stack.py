@@ -83,8 +83,9 @@ class StackLoRA:
     """[4L] fp32 A slots [max_loras, R, in]."""
     lora_b: list[torch.Tensor]
     """[4L] fp32 rank-major B slots [max_loras, out, R]."""
-    slices: tuple[int, int, int, int]
-    """Output slices of qkv, o, gate_up, down (3, 1, 2, 1)."""
+    slice_ends: tuple[tuple[int, ...], ...]
+    """Where each output slice ends, for qkv, o, gate_up and down (3, 1, 2 and 1
+    slices): what the zero blocks of a fused projection's block-diagonal B are."""
     token_slots: torch.Tensor
     """[T] int64, -1: base model."""
     slot_ranks: torch.Tensor
@@ -124,7 +125,8 @@ def decoder_stack(
         attention.prefill_seq_lens,
         lora.lora_a if lora is not None else [],
         lora.lora_b if lora is not None else [],
-        list(lora.slices) if lora is not None else [],
+        [len(ends) for ends in lora.slice_ends] if lora is not None else [],
+        [end for ends in lora.slice_ends for end in ends] if lora is not None else [],
         lora.token_slots if lora is not None else _EMPTY,
         lora.slot_ranks if lora is not None else _EMPTY,
         list(layers.head_shape),

@@ -155,7 +155,12 @@ class LoRAStack:
     """[max_loras, out_features, num_slices * max_rank]; on the 'cpu' backend a view of
     rank-major storage [max_loras, width, out_features] (each column B[l, :, r] is
     contiguous, as the native kernel reads it)."""
-    num_slices: int
+    slice_ends: tuple[int, ...]
+    """Where each output slice ends (the last: out_features): B's zero blocks."""
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_ends)
 
     @property
     def num_bytes(self) -> int:
@@ -181,15 +186,17 @@ def cpu_add_lora(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     batch: LoRABatch,
-    num_slices: int = 1,
+    slice_ends: Sequence[int] | None = None,
 ) -> None:
     """Native CPU path (kernels/cpu_ops.py `lora_add`) for decodes and prefill chunks:
     fp32 slots, rank-major B, the delta added into `out` in place. Against the torch
     path it skips the per-group call overhead of a few decode rows per adapter and, for
-    half models, the fp32 copies of x and the delta."""
+    half models, the fp32 copies of x and the delta; for a fused projection
+    (`slice_ends`, default one slice) the zero blocks of B."""
     from loraplex.kernels import cpu_ops
 
-    cpu_ops.lora_add(out, x, lora_a, lora_b, batch.token_slots, batch.slot_rank_tensor, num_slices)
+    ends = slice_ends if slice_ends is not None else (out.size(1),)
+    cpu_ops.lora_add(out, x, lora_a, lora_b, batch.token_slots, batch.slot_rank_tensor, ends)
 
 
 def segment_matmuls(

@@ -1140,6 +1140,12 @@ void rotary_write_kv(Tensor q, Tensor k, const Tensor& v, const Tensor& cos, con
 constexpr int64_t kLoraItem = 64;
 constexpr int64_t kLoraBlock = 8;
 constexpr int64_t kLoraChunk = 32;
+// How far ahead the LoRA kernel asks for its slots' weights: A rows run on into the next
+// rows (an adapter's rows are contiguous), B columns into the chunks after this one. A
+// step's adapters come from memory (30 layers of 8 slots outgrow the caches), and the
+// hardware prefetcher alone left the kernel at a fraction of the memory's rate.
+constexpr int64_t kLoraPrefetchFloats = 512;
+constexpr int64_t kLoraPrefetchChunks = 4;
 
 // acc[i][j] += sum_r y[i * y_stride + r] * columns[r * column_stride + j] for a full
 // kLoraBlock x kLoraChunk tile: constant trip counts let the compiler keep the tile in
@@ -1196,6 +1202,7 @@ void shrink_row(const float* row, const float* const* xs, int64_t in_features, f
   }
   int64_t done = 0;
   for (; done + 16 <= in_features; done += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + done + kLoraPrefetchFloats), _MM_HINT_T0);
     const __m512 a = _mm512_loadu_ps(row + done);
     for (int64_t i = 0; i < N; ++i) {
       acc[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xs[i] + done), acc[i]);
@@ -1245,9 +1252,29 @@ inline float expand_madd(float y, float column, float acc) {
 #endif
 }
 
+// The rank columns [first, last) of a slot that can be nonzero in output columns
+// [o0, o0 + n): B is block-diagonal, slice s's outputs (up to slice_ends[s]) reading only
+// its columns s * slice_rank .. (s + 1) * slice_rank. Skipping the zero blocks adds
+// nothing a product would have added but 0.
+inline std::pair<int64_t, int64_t> expand_columns(at::IntArrayRef slice_ends, int64_t o0,
+                                                  int64_t n, int64_t slice_rank,
+                                                  int64_t used) {
+  const int64_t slices = static_cast<int64_t>(slice_ends.size());
+  int64_t lo = 0;
+  while (lo < slices - 1 && slice_ends[lo] <= o0) {
+    ++lo;
+  }
+  int64_t hi = lo;
+  while (hi < slices - 1 && slice_ends[hi] < o0 + n) {
+    ++hi;
+  }
+  return {std::min(used, lo * slice_rank), std::min(used, (hi + 1) * slice_rank)};
+}
+
 template <typename T>
 void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
-                     const int64_t* slots, const int64_t* ranks, int64_t num_slices) {
+                     const int64_t* slots, const int64_t* ranks, at::IntArrayRef slice_ends) {
+  const int64_t num_slices = static_cast<int64_t>(slice_ends.size());
   const int64_t tokens = x.size(0), in_features = x.size(1), out_features = out.size(1);
   const int64_t width = lora_a.size(1);
   const T* x_data = x.data_ptr<T>();
@@ -1272,8 +1299,8 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
     for (int64_t item = begin; item < end; ++item) {
       const auto [first, last] = items[item];
       const int64_t count = last - first, slot = slots[first];
-      const int64_t used =
-          ranks == nullptr ? width : std::min(width, num_slices * ranks[slot]);
+      const int64_t slice_rank = ranks == nullptr ? width / num_slices : ranks[slot];
+      const int64_t used = std::min(width, num_slices * slice_rank);
       // Shrink: y[i, r] = A[slot, r] . x[first + i]
       for (int64_t b0 = 0; b0 < count; b0 += kLoraBlock) {
         const int64_t n = std::min(kLoraBlock, count - b0);
@@ -1287,18 +1314,32 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
           shrink_rows(n, row, xs, in_features, y.data() + b0 * width + r, width);
         }
       }
-      // Expand: out[first + i, o] += sum_r y[i, r] * B[slot, o, r]
+      // Expand: out[first + i, o] += sum_r y[i, r] * B[slot, o, r], kLoraBlock tokens
+      // at a time along their whole output rows (the rows stream through the cache in
+      // order; the slot's B, re-read by each block, stays in L2).
       const float* b_slot_data = b_data + slot * b_slot;
-      for (int64_t o0 = 0; o0 < out_features; o0 += kLoraChunk) {
-        const int64_t n = std::min(kLoraChunk, out_features - o0);
-        for (int64_t b0 = 0; b0 < count; b0 += kLoraBlock) {
-          const int64_t m = std::min(kLoraBlock, count - b0);
+      for (int64_t b0 = 0; b0 < count; b0 += kLoraBlock) {
+        const int64_t m = std::min(kLoraBlock, count - b0);
+        const float* yb = y.data() + b0 * width;
+        for (int64_t o0 = 0; o0 < out_features; o0 += kLoraChunk) {
+          const int64_t n = std::min(kLoraChunk, out_features - o0);
+          const auto [r0, r1] = expand_columns(slice_ends, o0, n, slice_rank, used);
+#if defined(__AVX512F__)
+          if (o0 + kLoraPrefetchChunks * kLoraChunk < out_features) {
+            for (int64_t r = r0; r < r1; ++r) {
+              const float* ahead =
+                  b_slot_data + r * b_col + o0 + kLoraPrefetchChunks * kLoraChunk;
+              _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(ahead + 16), _MM_HINT_T0);
+            }
+          }
+#endif
           float acc[kLoraBlock][kLoraChunk] = {};
-          const float* yb = y.data() + b0 * width;
           if (m == kLoraBlock && n == kLoraChunk) {
-            expand_block_full(acc, yb, width, b_slot_data + o0, b_col, used);
+            expand_block_full(acc, yb + r0, width, b_slot_data + r0 * b_col + o0, b_col,
+                              r1 - r0);
           } else {
-            for (int64_t r = 0; r < used; ++r) {
+            for (int64_t r = r0; r < r1; ++r) {
               const float* column = b_slot_data + r * b_col + o0;  // B[slot, o0 :, r]
               for (int64_t i = 0; i < m; ++i) {
                 const float yr = yb[i * width + r];
@@ -1323,14 +1364,17 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
 }
 
 // Semantics (kernels/lora.py, per token): for each t with s = token_slots[t] >= 0 and
-// w = min(R, num_slices * slot_ranks[s]) (w = R when slot_ranks is empty):
+// w = min(R, S * slot_ranks[s]) (w = R when slot_ranks is empty), S = len(slice_ends):
 //   y = lora_a[s, :w] @ x[t];   out[t] += dtype(lora_b[s, :, :w] @ y)
+// where lora_b[s] is block-diagonal by slice (kernels/lora.py): outputs below
+// slice_ends[i] (and from slice_ends[i - 1]) read only columns i * w / S .. (i + 1) * w / S,
+// and the zero blocks are skipped. slice_ends: increasing, the last = out's width.
 // x [T, in] and out [T, out] in the model dtype (contiguous last dims); lora_a
 // [L, R, in] fp32 with a contiguous last dim; lora_b [L, out, R] fp32 stored rank-major
 // (stride(1) == 1: each column B[s, :, r] is contiguous); token_slots [T] int64,
 // slot_ranks [L] int64 or empty. `out` is updated in place.
 void lora_add(Tensor out, const Tensor& x, const Tensor& lora_a, const Tensor& lora_b,
-               const Tensor& token_slots, const Tensor& slot_ranks, int64_t num_slices) {
+               const Tensor& token_slots, const Tensor& slot_ranks, at::IntArrayRef slice_ends) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3,
               "expected x [T, in], out [T, out], lora_a [L, R, in], lora_b [L, out, R]");
@@ -1347,6 +1391,13 @@ void lora_add(Tensor out, const Tensor& x, const Tensor& lora_a, const Tensor& l
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out must share a dtype");
   TORCH_CHECK(token_slots.scalar_type() == at::kLong && slot_ranks.scalar_type() == at::kLong,
               "token_slots and slot_ranks must be int64");
+  TORCH_CHECK(!slice_ends.empty() && slice_ends.back() == out.size(1),
+              "slice_ends: one per slice, the last = out's width");
+  for (size_t i = 0; i < slice_ends.size(); ++i) {
+    TORCH_CHECK(slice_ends[i] > (i == 0 ? 0 : slice_ends[i - 1]), "slice_ends must increase");
+  }
+  TORCH_CHECK(lora_a.size(1) % static_cast<int64_t>(slice_ends.size()) == 0,
+              "lora_a's rank columns: the same number per slice");
   const bool has_ranks = slot_ranks.numel() > 0;
   TORCH_CHECK(!has_ranks || slot_ranks.numel() == lora_a.size(0), "one rank per slot");
   const Tensor slots = token_slots.contiguous();
@@ -1358,7 +1409,7 @@ void lora_add(Tensor out, const Tensor& x, const Tensor& lora_a, const Tensor& l
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_add", [&] {
     lora_add_kernel<scalar_t>(out, x, lora_a, lora_b, slot_data,
-                               has_ranks ? ranks.data_ptr<int64_t>() : nullptr, num_slices);
+                               has_ranks ? ranks.data_ptr<int64_t>() : nullptr, slice_ends);
   });
 }
 
@@ -1788,7 +1839,7 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("rotary_write_kv(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(c!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b, "
-        "Tensor token_slots, Tensor slot_ranks, int num_slices) -> ()");
+        "Tensor token_slots, Tensor slot_ranks, int[] slice_ends) -> ()");
   m.def("quantize_rows_int8(Tensor x, Tensor? input_scales, Tensor(a!) out, Tensor(b!) scales) -> ()");
   m.def("dequantize_int32(Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias, "
         "Tensor(a!) out) -> ()");

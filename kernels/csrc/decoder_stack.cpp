@@ -15,6 +15,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <array>
 #include <optional>
 #include <string_view>
 
@@ -32,7 +33,7 @@ using AttentionFn = void(const Tensor&, const Tensor&, const Tensor&, const Tens
 using PrefillAttentionFn = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                 const Tensor&, double, Tensor);
 using LoraAddFn = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                       const Tensor&, int64_t);
+                       const Tensor&, at::IntArrayRef);
 using QuantizeRowsFn = void(const Tensor&, const std::optional<Tensor>&, Tensor&, Tensor&);
 using Int8RowsFn = void(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&,
                         const Tensor&, const std::optional<Tensor>&, Tensor);
@@ -117,10 +118,17 @@ class Stack {
   Stack(const Ops& ops, const StepInputs& in, at::TensorList weights,
         const c10::List<std::optional<Tensor>>& biases, Projection kind,
         int64_t dynamic_min_rows, at::TensorList lora_a, at::TensorList lora_b,
-        at::IntArrayRef lora_slices)
+        at::IntArrayRef lora_slices, at::IntArrayRef lora_slice_ends)
       : ops_(ops), in_(in), weights_(weights), biases_(biases), kind_(kind),
-        dynamic_min_rows_(dynamic_min_rows), lora_a_(lora_a), lora_b_(lora_b),
-        lora_slices_(lora_slices) {}
+        dynamic_min_rows_(dynamic_min_rows), lora_a_(lora_a), lora_b_(lora_b) {
+    size_t offset = 0;
+    for (int64_t kind_index = 0; kind_index < static_cast<int64_t>(lora_slices.size());
+         ++kind_index) {
+      const auto count = static_cast<size_t>(lora_slices[kind_index]);
+      lora_slice_ends_[kind_index] = lora_slice_ends.slice(offset, count);
+      offset += count;
+    }
+  }
 
   // x [T, in] -> x @ W.T + b [T, out] for projection `index` (layer * 4 + kind).
   Tensor linear(int64_t index, const Tensor& x) const {
@@ -175,7 +183,7 @@ class Stack {
     Tensor out = linear(index, x);
     if (in_.token_slots.defined() && in_.token_slots.numel() > 0 && !lora_a_.empty()) {
       ops_.lora_add.call(out, x, lora_a_[index], lora_b_[index], in_.token_slots, in_.slot_ranks,
-                         lora_slices_[index % kProjections]);
+                         lora_slice_ends_[index % kProjections]);
     }
     return out;
   }
@@ -234,7 +242,7 @@ class Stack {
   Projection kind_;
   int64_t dynamic_min_rows_;
   at::TensorList lora_a_, lora_b_;
-  at::IntArrayRef lora_slices_;
+  std::array<at::IntArrayRef, kProjections> lora_slice_ends_;
 };
 
 // Semantics: equal (bit for bit) to LlamaForCausalLM's layer loop and final norm on the
@@ -250,7 +258,7 @@ class Stack {
 //                 hidden = proj(4l + 3, silu_and_mul(proj(4l + 2, normed)))
 //   returns rms_norm(hidden, residual, norm_weights[2L])[0]   [T, hidden]
 // where proj(i, x) = x @ W_i.T + b_i (+ each token's LoRA delta: lora_add with
-// lora_a[i], lora_b[i], lora_slices[i % 4] when token_slots is not empty), multiplied as
+// lora_a[i], lora_b[i] and kind i % 4's slice ends when token_slots is not empty), multiplied as
 // `projection` says: "packed" (weights [4L] prepacked by oneDNN), "plain" ([4L] of
 // [out, in]), "int8_dynamic" / "int8_weight_only" (weights [28L]: per projection the
 // six tensors of kInt8Tensors; the dynamic product runs the VNNI rows kernel up to
@@ -259,8 +267,9 @@ class Stack {
 // biases [4L] (None: no bias); kv_caches [L] of [2, N, Hkv, B, Dh]; slot_mapping [T] int64; the first
 // num_decodes tokens are decodes, each with its block table row and key count ([D, W],
 // [D] int64), the rest prefill chunks, each with its block table row, query length and
-// sequence length ([P, W], [P], [P] int64); lora_a / lora_b [4L] and lora_slices [4],
-// or all empty; token_slots [T] int64 or empty; slot_ranks [max_loras] int64 or empty;
+// sequence length ([P, W], [P], [P] int64); lora_a / lora_b [4L], lora_slices [4] (each
+// projection kind's slice count) and lora_slice_ends (the kinds' slice ends, in turn:
+// lora_add's slice_ends), or all empty; token_slots [T] int64 or empty; slot_ranks [max_loras] int64 or empty;
 // head_shape = (heads, kv heads, head dim).
 Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
                      at::TensorList norm_weights, at::TensorList weights,
@@ -271,7 +280,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
                      const Tensor& prefill_tables, const Tensor& prefill_query_lens,
                      const Tensor& prefill_seq_lens,
                      at::TensorList lora_a, at::TensorList lora_b, at::IntArrayRef lora_slices,
-                     const Tensor& token_slots, const Tensor& slot_ranks,
+                     at::IntArrayRef lora_slice_ends, const Tensor& token_slots, const Tensor& slot_ranks,
                      at::IntArrayRef head_shape, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, hidden]");
@@ -288,6 +297,13 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
               "lora_a / lora_b: one per projection");
   TORCH_CHECK(lora_a.empty() || lora_slices.size() == kProjections,
               "lora_slices: one per projection kind");
+  int64_t slice_count = 0;
+  for (const int64_t count : lora_slices) {
+    TORCH_CHECK(count >= 1, "lora_slices: at least one slice per projection kind");
+    slice_count += count;
+  }
+  TORCH_CHECK(lora_a.empty() || static_cast<int64_t>(lora_slice_ends.size()) == slice_count,
+              "lora_slice_ends: each kind's slice ends, as many as lora_slices says");
   TORCH_CHECK(head_shape.size() == 3, "head_shape = (heads, kv heads, head dim)");
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= hidden.size(0), "num_decodes out of range");
   TORCH_CHECK(!token_slots.defined() || token_slots.numel() == 0 ||
@@ -311,7 +327,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
                       scale};
   const Ops& ops = Ops::get();
   const Stack stack(ops, in, weights, biases, kind, dynamic_min_rows, lora_a, lora_b,
-                    lora_slices);
+                    lora_slices, lora_slice_ends);
   Tensor x = hidden;
   Tensor residual;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -333,7 +349,7 @@ TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
         "Tensor slot_mapping, int num_decodes, Tensor decode_tables, Tensor decode_lens, "
         "Tensor prefill_tables, Tensor prefill_query_lens, Tensor prefill_seq_lens, "
         "Tensor[] lora_a, Tensor[] lora_b, "
-        "int[] lora_slices, Tensor token_slots, Tensor slot_ranks, int[] head_shape, "
+        "int[] lora_slices, int[] lora_slice_ends, Tensor token_slots, Tensor slot_ranks, int[] head_shape, "
         "float eps, float scale) -> Tensor");
 }
 

@@ -136,8 +136,7 @@ class MergedLinear(nn.Module):
             max_loras,
             max_rank,
             self.in_features,
-            self.out_features,
-            len(self.output_sizes),
+            self.output_sizes,
             self.weight.dtype,
             self.weight.device,
         )

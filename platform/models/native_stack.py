@@ -187,13 +187,13 @@ class NativeDecoderStack:
             self._lora_slots = (
                 [p.lora.a for p in self._projections],
                 [p.lora.b for p in self._projections],
-                tuple(p.lora.num_slices for p in self._projections[:4]),
+                tuple(p.lora.slice_ends for p in self._projections[:4]),
             )
         lora_a, lora_b, slices = self._lora_slots
         return StackLoRA(
             lora_a=lora_a,
             lora_b=lora_b,
-            slices=slices,
+            slice_ends=slices,
             token_slots=batch.token_slots,
             slot_ranks=batch.slot_rank_tensor
             if batch.slot_rank_tensor is not None

@@ -11,6 +11,7 @@ contraction), bf16 / fp16 within one ulp of values of order 1.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 
@@ -276,12 +277,50 @@ def test_lora_add_gives_a_token_the_same_delta_in_any_batch(dtype, in_features, 
     base = torch.randn(9, out_features, generator=gen).to(dtype)
     token_slots = torch.full((9,), 1, dtype=torch.long)
     together = base.clone()
-    cpu_ops.lora_add(together, x, lora_a, lora_b, token_slots, None, 1)
+    cpu_ops.lora_add(together, x, lora_a, lora_b, token_slots, None, [out_features])
     for t in range(9):
         alone = base[t : t + 1].clone()
-        cpu_ops.lora_add(alone, x[t : t + 1], lora_a, lora_b, token_slots[:1], None, 1)
+        cpu_ops.lora_add(alone, x[t : t + 1], lora_a, lora_b, token_slots[:1], None, [out_features])
         assert torch.equal(alone[0], together[t]), f"token {t}"
     assert not torch.equal(together, base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("slice_sizes", [(64, 32, 32), (40, 24, 24), (48, 48), (16, 80)])
+def test_lora_add_of_a_fused_projection_equals_the_plain_product(dtype, slice_sizes):
+    """A fused projection's slots hold B block-diagonal by slice (kernels/lora.py), at
+    each slot's own rank; the kernel reads only the blocks that can be nonzero. Slots of
+    ranks 2, 4 and 8 (the width's), tokens of all three and of the base model in one
+    batch, slice ends on and off the kernel's 32-column chunks: every delta equals the
+    fp64 product of the whole A and B, so nothing nonzero is skipped."""
+    gen = torch.Generator().manual_seed(sum(slice_sizes))
+    in_features, max_rank, slices = 72, 8, len(slice_sizes)
+    width, out_features = slices * max_rank, sum(slice_sizes)
+    ranks = torch.tensor([2, 4, 8], dtype=torch.long)
+    lora_a = torch.zeros(3, width, in_features)
+    lora_b = torch.zeros(3, out_features, width)
+    for slot, rank in enumerate(ranks.tolist()):
+        start = 0
+        for index, size in enumerate(slice_sizes):
+            columns = slice(index * rank, index * rank + rank)
+            lora_a[slot, columns] = torch.randn(rank, in_features, generator=gen)
+            lora_b[slot, start : start + size, columns] = torch.randn(size, rank, generator=gen)
+            start += size
+    rank_major = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
+    token_slots = torch.tensor([0] * 9 + [1] * 3 + [-1] * 2 + [2] * 10, dtype=torch.long)
+    x = torch.randn(len(token_slots), in_features, generator=gen).to(dtype)
+    base = torch.randn(len(token_slots), out_features, generator=gen).to(dtype)
+    out = base.clone()
+    ends = list(itertools.accumulate(slice_sizes))
+    cpu_ops.lora_add(out, x, lora_a, rank_major, token_slots, ranks, ends)
+    expected = base.double()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            y = lora_a[slot].double() @ x[t].double()
+            expected[t] += lora_b[slot].double() @ y
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance / 10)
+    assert torch.equal(out[12:14], base[12:14])
 
 
 def test_cpu_layer_kernels_are_the_default_on_cpu(monkeypatch):

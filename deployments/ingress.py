@@ -329,7 +329,10 @@ async def _within_inter_token_timeout(steps, timeout_s: float, model: str):
     iterator = aiter(steps)
     while True:
         try:
-            step = await asyncio.wait_for(anext(iterator), timeout_s)
+            # asyncio.timeout, not wait_for: no task per step (Python 3.11's wait_for
+            # wraps the awaitable in one), the same deadline.
+            async with asyncio.timeout(timeout_s):
+                step = await anext(iterator)
         except StopAsyncIteration:
             return
         except asyncio.TimeoutError:

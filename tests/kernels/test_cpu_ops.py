@@ -341,12 +341,18 @@ def test_build_name_tracks_source_and_cpu(monkeypatch):
 
 def test_a_stale_build_lock_does_not_block_loading():
     """torch's lock file left by a builder killed mid-build must not make the next
-    process wait forever (a fresh process, since `load` runs once per process)."""
+    process wait forever (a fresh process, since `load` runs once per process). The
+    check holds loraplex's builder lock: a load in another process of the session (a
+    replica starting) holds torch's lock for as long as its own build step runs."""
     import subprocess
     import sys
 
+    from filelock import FileLock
+
     folder = cpu_ops.build_root() / cpu_ops.build_name()
-    (folder / "lock").write_text("")
+    with FileLock(str(folder / "loraplex-build.lock")):
+        (folder / "lock").write_text("")
     code = "from loraplex.kernels import cpu_ops; raise SystemExit(0 if cpu_ops.load() else 1)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    assert not (folder / "lock").exists()
+    with FileLock(str(folder / "loraplex-build.lock")):
+        assert not (folder / "lock").exists()

@@ -131,6 +131,23 @@ def test_the_image_installs_with_the_readme_quick_start_script():
     assert commands and commands[0].startswith("bash scripts/install.sh && ")
 
 
+def test_the_image_serves_http_on_every_interface():
+    """`docker run -p 8000:8000` reaches the app only if what listens in the container
+    binds 0.0.0.0: the image's command rewrites serve_config.yaml's listening hosts
+    (sed), and after it nothing that serves HTTP is left on 127.0.0.1."""
+    command = re.search(r"^CMD (.+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    assert command is not None
+    edit = re.search(r"sed '(s/[^']+)'", command.group(1))
+    assert edit is not None, command.group(1)
+    pattern, replacement = edit.group(1).split("/")[1:3]
+    served = yaml.safe_load((ROOT / "serve_config.yaml").read_text().replace(pattern, replacement))
+    hosts = [served.get("http_options", {}).get("host", "0.0.0.0")]
+    hosts += [app["args"]["ingress"].get("direct_http_host") for app in served["applications"]]
+    assert [h for h in hosts if h is not None] and all(
+        h == "0.0.0.0" for h in hosts if h is not None
+    ), hosts
+
+
 def queries() -> list[tuple[str, str]]:
     """(where, PromQL) of every dashboard target and alert rule."""
     found = []

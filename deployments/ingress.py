@@ -61,7 +61,7 @@ from loraplex.deployments.config import (
     model_deployment_name,
 )
 from loraplex.deployments.direct_http import DirectHTTP
-from loraplex.deployments.errors import MAX_BODY_BYTES, OpenAIError, error_response
+from loraplex.deployments.errors import OpenAIError, error_response
 from loraplex.deployments.frame_channels import FrameChannels
 from loraplex.deployments.ingress_gate import InFlightGate, set_gate_limit
 from loraplex.deployments.logs import send_platform_logs_to_serve
@@ -186,12 +186,11 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 
 async def parse_body(request: Request, schema: type[Body]) -> Body:
-    """The body validated against `schema`; a 4xx OpenAIError for anything else: too
-    large, not UTF-8 JSON, nested past the parser's depth, strings that are not Unicode
-    text (a lone UTF-16 surrogate escape such as "\\ud800"), or schema violations."""
+    """The body validated against `schema`; a 4xx OpenAIError for anything else: not
+    UTF-8 JSON, nested past the parser's depth, strings that are not Unicode text (a
+    lone UTF-16 surrogate escape such as "\\ud800"), or schema violations. A body past
+    MAX_BODY_BYTES never gets here: body_limit.py answers it 413 unread."""
     body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise OpenAIError(413, f"request body over {MAX_BODY_BYTES} bytes")
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

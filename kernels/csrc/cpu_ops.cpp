@@ -1132,9 +1132,9 @@ void rotary_write_kv(Tensor q, Tensor k, const Tensor& v, const Tensor& cos, con
 
 // Work item: up to kLoraItem consecutive tokens of one slot (decodes come sorted by slot,
 // prefill chunks are long runs of one slot). Within an item the shrink takes kLoraBlock
-// tokens per pass over each A row, and the expand walks the output in kLoraChunk-column
-// chunks, each chunk's B columns staying in L1 while kLoraBlock tokens at a time
-// accumulate in registers. With AVX-512 both sums use fused multiply-adds (intrinsics,
+// tokens per pass over each A row, and the expand takes kLoraBlock tokens along their
+// output rows in kLoraChunk-column chunks, accumulating in registers (the slot's B,
+// re-read by each block, stays in L2). With AVX-512 both sums use fused multiply-adds (intrinsics,
 // which -ffp-contract=off leaves alone), as the GEMMs of the torch path do; the order of
 // each token's sum never depends on the other tokens of its block.
 constexpr int64_t kLoraItem = 64;
@@ -1142,8 +1142,8 @@ constexpr int64_t kLoraBlock = 8;
 constexpr int64_t kLoraChunk = 32;
 // How far ahead the LoRA kernel asks for its slots' weights: A rows run on into the next
 // rows (an adapter's rows are contiguous), B columns into the chunks after this one. A
-// step's adapters come from memory (30 layers of 8 slots outgrow the caches), and the
-// hardware prefetcher alone left the kernel at a fraction of the memory's rate.
+// step's adapters come from memory (30 layers of 8 slots outgrow the caches): asking
+// ahead took 30 layers of 8 cold rank-8 slots at the decode shape from 8.95 to 7.0 ms.
 constexpr int64_t kLoraPrefetchFloats = 512;
 constexpr int64_t kLoraPrefetchChunks = 4;
 
@@ -1325,7 +1325,7 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
           const int64_t n = std::min(kLoraChunk, out_features - o0);
           const auto [r0, r1] = expand_columns(slice_ends, o0, n, slice_rank, used);
 #if defined(__AVX512F__)
-          if (o0 + kLoraPrefetchChunks * kLoraChunk < out_features) {
+          if (b0 == 0 && o0 + kLoraPrefetchChunks * kLoraChunk < out_features) {
             for (int64_t r = r0; r < r1; ++r) {
               const float* ahead =
                   b_slot_data + r * b_col + o0 + kLoraPrefetchChunks * kLoraChunk;

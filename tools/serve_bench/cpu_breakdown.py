@@ -77,8 +77,9 @@ def process_name(pid: int, proc: Path = PROC) -> str:
     if first.startswith("ray::"):
         return first.split()[0]
     program = Path(first.split()[0]).name
-    if program.startswith("python") and len(words) > 1:
-        return f"{program} {Path(words[1]).name}"
+    script = next((w for w in words[1:] if not w.startswith("-")), None)
+    if program.startswith("python") and script is not None:
+        return f"{program} {Path(script).name}"
     return program
 
 

@@ -17,6 +17,7 @@ from loraplex.tools.serve_bench.cpu_breakdown import (
     ThreadTime,
     parse_pids,
     process_name,
+    ray_pids,
     read_threads,
 )
 
@@ -97,3 +98,18 @@ def test_a_thread_born_between_snapshots_counts_from_zero():
 def test_pids_are_given_or_found():
     assert parse_pids("12, 34") == [12, 34]
     assert process_name(os.getpid()).split()[0] == Path(sys.executable).name
+
+
+def test_a_daemon_started_with_interpreter_flags_is_named_by_its_script(tmp_path):
+    """Ray starts its log monitor as `python -u .../log_monitor.py ...`: the flag must not
+    hide the script, or the monitor's CPU is left out of the serving cost."""
+    cmdlines = {
+        "101": ["/venv/bin/python", "-u", "/venv/ray/_private/log_monitor.py", "--logs-dir=x"],
+        "102": ["/venv/bin/python", "-u", "-c", "print(1)"],
+        "103": ["ray::ServeController"],
+    }
+    for pid, words in cmdlines.items():
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "cmdline").write_bytes("\0".join(words).encode() + b"\0")
+    assert process_name(101, tmp_path) == "python log_monitor.py"
+    assert ray_pids(tmp_path) == [101, 103]

@@ -389,7 +389,7 @@ class ModelServer:
             node_id=self.place.node_id(),
             device=stats["device"],
             host=stats["host"],
-            requests=stats["requests"],
+            requests=self._requests.counts(),
         )
 
     def _publish_residency(self) -> None:
@@ -410,15 +410,16 @@ class ModelServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Where this replica's adapters sit, for the request router
-        (deployments/request_router.py; Serve polls it): the multiplexed model ids in
-        device slots and in host memory, and the requests per model id it has served (an
-        adapter's while this replica holds it: `AdapterRequests`)."""
+        (deployments/request_router.py; Serve polls it every `ROUTING_STATS_PERIOD_S`):
+        the multiplexed model ids in device slots and in host memory. Only what the
+        router reads: Serve's controller broadcasts the stats to every router whenever
+        they change, so a count that moves with each request (the residency report's
+        `requests`) would cost a broadcast per period under load."""
         in_slots = self.engine.device_adapter_keys()
         resident = self.engine.held_adapter_ids()
         return {
             "device": sorted(m for m, key in resident.items() if key in in_slots),
             "host": sorted(resident),
-            "requests": self._requests.counts(),
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -430,12 +431,20 @@ class ModelServer:
             HOST_ADAPTER_CAPACITY: float(self._host_adapter_capacity),
         }
 
-    def replica_info(self) -> dict:
-        """This replica's id, resident adapters and engine state (tests, debugging)."""
+    def replica_info(self, replica: str | None = None) -> dict | None:
+        """This replica's id, its adapters by tier with the requests it served per model
+        id (`residency`), and its engine state (tests, debugging). `replica` as in
+        `arm_failpoint`: None when this is not the replica meant."""
+        if replica is not None and replica != self.replica_id:
+            return None
         snapshot = self.engine.snapshot()
+        residency = self.residency()
         return {
             "replica": self.metrics.tags["replica"],
             "resident_model_ids": sorted(self.engine.held_adapter_ids()),
+            "device": residency.device,
+            "host": residency.host,
+            "requests": residency.requests,
             "pid": os.getpid(),
             "admission_refused": self.admission.refused,
             **dataclasses.asdict(snapshot),

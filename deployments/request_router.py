@@ -87,7 +87,7 @@ MAX_PLACEMENTS = 65536
 REPLICATE_METHOD = "replicate_adapter"
 """ModelServer's hot-adapter replication call (deployments/replication.py): it goes to a
 replica that does not hold the adapter yet."""
-PINNED_METHODS = frozenset({"arm_failpoint", "disarm_failpoints"})
+PINNED_METHODS = frozenset({"arm_failpoint", "disarm_failpoints", "replica_info"})
 """ModelServer calls that name the replica they are meant for (keyword `replica`)."""
 LOADING_METHODS = frozenset({"generate", "prefetch_adapter", REPLICATE_METHOD})
 """ModelServer calls that load their multiplexed model id's adapter where they run (the

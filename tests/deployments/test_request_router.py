@@ -221,7 +221,8 @@ def pair_app(serve_setup, operator_key):
     serve.delete("pair")
 
 
-def replica_actors():
+def replica_names() -> list[str]:
+    """The actor names of the pair's two model replicas (`...#model-pair#<unique id>`)."""
     import ray
 
     names = [
@@ -230,13 +231,22 @@ def replica_actors():
         if "#model-pair#" in entry["name"] and entry["name"].startswith("SERVE_REPLICA")
     ]
     assert len(names) == 2, names
-    return [ray.get_actor(name, namespace="serve") for name in sorted(names)]
+    return sorted(names)
 
 
-def residency(actors) -> list[dict]:
-    import ray
+def residency(names: list[str]) -> list[dict]:
+    """Each replica's adapters by tier and the requests it served per model id, asked
+    of that replica itself (`replica_info`, pinned by its unique id)."""
+    from ray import serve
 
-    return ray.get([actor.record_routing_stats.remote() for actor in actors])
+    handle = serve.get_deployment_handle("model-pair", "pair")
+    states = []
+    for name in names:
+        replica = name.rsplit("#", 1)[-1]
+        state = handle.replica_info.remote(replica=replica).result(timeout_s=30)
+        assert state is not None and state["replica"] == replica, (replica, state)
+        states.append(state)
+    return states
 
 
 def complete(url: str, model: str) -> None:
@@ -250,7 +260,7 @@ def complete(url: str, model: str) -> None:
 
 def test_requests_follow_their_adapter_and_residency_is_published(pair_app):
     url, adapters = pair_app
-    actors = replica_actors()
+    actors = replica_names()
     rng = random.Random(7)
     for step in range(10):
         adapter = adapters[rng.randrange(len(adapters))] if step else adapters[0]
@@ -290,7 +300,7 @@ def test_a_registered_adapter_is_prefetched_on_one_replica(pair_app, serve_setup
     owner_root = serve_setup.adapter_root / "anonymous"
     owner_root.mkdir(exist_ok=True)
     shutil.copytree(serve_setup.shared[adapters[0]], owner_root / "warm", dirs_exist_ok=True)
-    actors = replica_actors()
+    actors = replica_names()
     response = requests.post(
         f"{url}/v1/adapters", json={"model": "pair", "name": "warm", "path": "warm"}, timeout=60
     )
@@ -314,6 +324,25 @@ def base_requests(states) -> list[int]:
     return [s["requests"].get("", 0) for s in states]
 
 
+def test_serving_leaves_the_routing_stats_unchanged(pair_app):
+    """Serve's controller rebroadcasts a replica's routing stats to every router each time
+    they change: requests that load nothing must leave them as they were (the counts
+    that move with every request go to the residency registry instead)."""
+    import ray
+
+    url, adapters = pair_app
+    complete(url, f"pair:{adapters[0]}")
+    actors = [ray.get_actor(name, namespace="serve") for name in replica_names()]
+    before = ray.get([actor.record_routing_stats.remote() for actor in actors])
+    served_before = base_requests(residency(replica_names()))
+    for _ in range(4):
+        complete(url, "pair")
+        complete(url, f"pair:{adapters[0]}")
+    after = ray.get([actor.record_routing_stats.remote() for actor in actors])
+    assert sum(base_requests(residency(replica_names()))) == sum(served_before) + 4
+    assert after == before
+
+
 def test_a_repeated_prefix_lands_on_the_replica_that_served_it(pair_app):
     """Base-model prompts sharing a 48-token prefix (3 chunks) with different endings:
     after the first, four sent at once all go where the first went (their queue stays
@@ -321,7 +350,7 @@ def test_a_repeated_prefix_lands_on_the_replica_that_served_it(pair_app):
     from concurrent.futures import ThreadPoolExecutor
 
     url, _ = pair_app
-    actors = replica_actors()
+    actors = replica_names()
     prefix = [(7 * i) % 50 + 5 for i in range(48)]
 
     def send(ending: int) -> None:
@@ -365,7 +394,7 @@ def tiers(states) -> list[tuple[list[str], list[str]]]:
 
 def test_the_operator_residency_view_is_the_replicas_own_state(pair_app, operator_key):
     url, adapters = pair_app
-    actors = replica_actors()
+    actors = replica_names()
     for adapter in adapters:
         complete(url, f"pair:{adapter}")
     own = residency(actors)
@@ -424,7 +453,7 @@ def test_a_hot_adapter_is_loaded_on_the_other_replica_before_its_requests_go_the
     replicator loads it on the replica that lacks it (deployments/replication.py), which
     serves none of its requests before (one at a time, they stay with the holder)."""
     url, adapters = pair_app
-    actors = replica_actors()
+    actors = replica_names()
     adapter = adapters[1]
     complete(url, f"pair:{adapter}")
     state = residency(actors)
@@ -454,7 +483,7 @@ def test_a_killed_replica_leaves_the_residency_view(pair_app, operator_key):
 
     before = live()
     assert len(before) == 2
-    ray.kill(replica_actors()[0], no_restart=True)
+    ray.kill(ray.get_actor(replica_names()[0], namespace="serve"), no_restart=True)
     deadline = time.monotonic() + STALE_AFTER_S + 10
     now = live()
     while len(now & before) != 1 and time.monotonic() < deadline:

@@ -393,13 +393,19 @@ class ModelServer:
         )
 
     def _publish_residency(self) -> None:
-        """Sends this replica's residency to the registry when it changed, and every
-        HEARTBEAT_S anyway."""
+        """Sends this replica's residency to the registry when its tiers changed, and
+        every HEARTBEAT_S anyway with the request counts as they are then (counts move
+        with every request: sending them each period would be a registry call per
+        period under load)."""
         failures, last, sent_at = 0, None, 0.0
         while not self._stop.wait(PUBLISH_PERIOD_S):
             try:
                 report = self.residency()
-                if report == last and time.monotonic() - sent_at < HEARTBEAT_S:
+                same_tiers = last is not None and (report.device, report.host) == (
+                    last.device,
+                    last.host,
+                )
+                if same_tiers and time.monotonic() - sent_at < HEARTBEAT_S:
                     continue
                 self._registry.publish.remote(report).result(timeout_s=10)
                 last, sent_at, failures = report, time.monotonic(), 0

@@ -3,7 +3,8 @@
 One small Serve deployment (`ResidencyRegistry`, one replica) per app. Every model
 replica looks at its `ReplicaResidency` every `PUBLISH_PERIOD_S` (the adapters in its
 device slots and in host memory, and the requests it served per adapter) and publishes
-it when it changed, or every `HEARTBEAT_S` when it did not; it withdraws it when it
+it when its tiers changed, or every `HEARTBEAT_S` when they did not (the request counts
+as they are then); it withdraws it when it
 shuts down. A replica that stops publishing (killed, its node lost) drops out
 after `STALE_AFTER_S`. The ingress reads the registry for `GET /v1/admin/residency`
 (operator key), adding the disk tier (every adapter its catalog knows).
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 PUBLISH_PERIOD_S = 1.0
 HEARTBEAT_S = 3.0
-"""An unchanged report is sent again this often, so the registry knows the replica lives."""
+"""A report whose tiers did not change is sent again this often, so the registry knows
+the replica lives and sees its request counts grow."""
 STALE_AFTER_S = 10.0
 """A replica whose last report is older than this is gone from the view."""
 DEMAND_WINDOW_S = 60.0

@@ -97,6 +97,7 @@ from loraplex.deployments.responses import (
     usage_chunk,
 )
 from loraplex.deployments.routing import Route, resolve_model, visible_adapters
+from loraplex.deployments.step_deadline import within_step_timeout
 from loraplex.deployments.tenants import (
     AuthError,
     RateLimited,
@@ -321,27 +322,20 @@ def prompt_tokens_estimate(call: GenerateCall) -> int:
     return content + CHAT_TEMPLATE_TOKENS
 
 
-async def _within_inter_token_timeout(steps, timeout_s: float, model: str):
+def _within_inter_token_timeout(steps, timeout_s: float, model: str):
     """A call's remaining steps; 504 (`inter_token_timeout`) when the model sends
     nothing for `timeout_s` (a stalled or hung replica: the caller then cancels the
     call, which aborts the request in the engine)."""
-    iterator = aiter(steps)
-    while True:
-        try:
-            # asyncio.timeout, not wait_for: no task per step (Python 3.11's wait_for
-            # wraps the awaitable in one), the same deadline.
-            async with asyncio.timeout(timeout_s):
-                step = await anext(iterator)
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            raise OpenAIError(
-                504,
-                f"model {model!r} sent no token for {timeout_s:g} s (inter-token timeout); "
-                "the request was ended",
-                code="inter_token_timeout",
-            ) from None
-        yield step
+
+    def timed_out() -> OpenAIError:
+        return OpenAIError(
+            504,
+            f"model {model!r} sent no token for {timeout_s:g} s (inter-token timeout); "
+            "the request was ended",
+            code="inter_token_timeout",
+        )
+
+    return within_step_timeout(steps, timeout_s, timed_out)
 
 
 async def _collect(

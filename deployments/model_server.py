@@ -447,7 +447,7 @@ class ModelServer:
         residency = self.residency()
         return {
             "replica": self.metrics.tags["replica"],
-            "resident_model_ids": sorted(self.engine.held_adapter_ids()),
+            "resident_model_ids": residency.host,
             "device": residency.device,
             "host": residency.host,
             "requests": residency.requests,

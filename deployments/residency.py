@@ -4,9 +4,8 @@ One small Serve deployment (`ResidencyRegistry`, one replica) per app. Every mod
 replica looks at its `ReplicaResidency` every `PUBLISH_PERIOD_S` (the adapters in its
 device slots and in host memory, and the requests it served per adapter) and publishes
 it when its tiers changed, or every `HEARTBEAT_S` when they did not (the request counts
-as they are then); it withdraws it when it
-shuts down. A replica that stops publishing (killed, its node lost) drops out
-after `STALE_AFTER_S`. The ingress reads the registry for `GET /v1/admin/residency`
+as they are then); it withdraws it when it shuts down. A replica that stops publishing
+(killed, its node lost) drops out after `STALE_AFTER_S`. The ingress reads the registry for `GET /v1/admin/residency`
 (operator key), adding the disk tier (every adapter its catalog knows).
 
 Demand: from the cumulative request counts of successive reports the registry keeps,

@@ -260,14 +260,14 @@ def complete(url: str, model: str) -> None:
 
 def test_requests_follow_their_adapter_and_residency_is_published(pair_app):
     url, adapters = pair_app
-    actors = replica_names()
+    names = replica_names()
     rng = random.Random(7)
     for step in range(10):
         adapter = adapters[rng.randrange(len(adapters))] if step else adapters[0]
         time.sleep(STATS_SETTLE_S)  # the router's view catches up with the replicas'
-        before = residency(actors)
+        before = residency(names)
         complete(url, f"pair:{adapter}")
-        after = residency(actors)
+        after = residency(names)
         served = [
             i
             for i in range(2)
@@ -300,7 +300,7 @@ def test_a_registered_adapter_is_prefetched_on_one_replica(pair_app, serve_setup
     owner_root = serve_setup.adapter_root / "anonymous"
     owner_root.mkdir(exist_ok=True)
     shutil.copytree(serve_setup.shared[adapters[0]], owner_root / "warm", dirs_exist_ok=True)
-    actors = replica_names()
+    names = replica_names()
     response = requests.post(
         f"{url}/v1/adapters", json={"model": "pair", "name": "warm", "path": "warm"}, timeout=60
     )
@@ -309,14 +309,14 @@ def test_a_registered_adapter_is_prefetched_on_one_replica(pair_app, serve_setup
     holders: list[int] = []
     while not holders and time.monotonic() < deadline:
         time.sleep(0.2)
-        state = residency(actors)
+        state = residency(names)
         holders = [i for i in range(2) if any(_name(m) == "warm" for m in state[i][HOST])]
     assert len(holders) == 1, f"one replica holds the new adapter: {state}"
     model_id = next(m for m in state[holders[0]][HOST] if _name(m) == "warm")
     assert not any(model_id in s["requests"] for s in state), "no request ran it yet"
     time.sleep(STATS_SETTLE_S)  # the router's view catches up with the replicas'
     complete(url, "pair:warm")
-    after = residency(actors)
+    after = residency(names)
     assert after[holders[0]]["requests"].get(model_id) == 1, after
 
 
@@ -350,7 +350,7 @@ def test_a_repeated_prefix_lands_on_the_replica_that_served_it(pair_app):
     from concurrent.futures import ThreadPoolExecutor
 
     url, _ = pair_app
-    actors = replica_names()
+    names = replica_names()
     prefix = [(7 * i) % 50 + 5 for i in range(48)]
 
     def send(ending: int) -> None:
@@ -366,13 +366,13 @@ def test_a_repeated_prefix_lands_on_the_replica_that_served_it(pair_app):
         )
         assert response.status_code == 200, response.text
 
-    before = base_requests(residency(actors))
+    before = base_requests(residency(names))
     send(0)
-    middle = base_requests(residency(actors))
+    middle = base_requests(residency(names))
     (owner,) = [i for i in range(2) if middle[i] > before[i]]
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(send, range(1, 5)))
-    after = base_requests(residency(actors))
+    after = base_requests(residency(names))
     assert after[owner] - middle[owner] == 4, f"spread: {middle} -> {after}, owner {owner}"
 
 
@@ -394,15 +394,15 @@ def tiers(states) -> list[tuple[list[str], list[str]]]:
 
 def test_the_operator_residency_view_is_the_replicas_own_state(pair_app, operator_key):
     url, adapters = pair_app
-    actors = replica_names()
+    names = replica_names()
     for adapter in adapters:
         complete(url, f"pair:{adapter}")
-    own = residency(actors)
+    own = residency(names)
     deadline = time.monotonic() + 10
     view = residency_view(url, operator_key)
     while tiers(view["replicas"]) != tiers(own) and time.monotonic() < deadline:
         time.sleep(0.3)
-        own, view = residency(actors), residency_view(url, operator_key)
+        own, view = residency(names), residency_view(url, operator_key)
     assert tiers(view["replicas"]) == tiers(own), (view, own)
     assert len({r["replica"] for r in view["replicas"]}) == 2
     for replica in view["replicas"]:
@@ -453,10 +453,10 @@ def test_a_hot_adapter_is_loaded_on_the_other_replica_before_its_requests_go_the
     replicator loads it on the replica that lacks it (deployments/replication.py), which
     serves none of its requests before (one at a time, they stay with the holder)."""
     url, adapters = pair_app
-    actors = replica_names()
+    names = replica_names()
     adapter = adapters[1]
     complete(url, f"pair:{adapter}")
-    state = residency(actors)
+    state = residency(names)
     model_id = next(m for s in state for m in s["requests"] if _name(m) == adapter)
     lacking = [i for i in range(2) if model_id not in state[i][HOST]]
     assert len(lacking) == 1, f"one replica holds it: {state}"
@@ -467,7 +467,7 @@ def test_a_hot_adapter_is_loaded_on_the_other_replica_before_its_requests_go_the
     while model_id not in state[lacking[0]][HOST]:
         assert time.monotonic() < deadline, f"not replicated: {state}"
         time.sleep(0.5)
-        state = residency(actors)
+        state = residency(names)
     assert state[lacking[0]]["requests"].get(model_id, 0) == served_before, "loaded ahead"
 
 

@@ -14,11 +14,10 @@ Semantics:
         'dynamic':     per token t: v = x[t] * c (fp32; c = 1 / input_gain per input
                        channel, or 1), a[t] = max_k |v[k]| / 127, xq[t] = round(v / a[t]),
                        (xq @ q.T) * a[:, None] * s[None, :] + b    (int32 accumulation),
-                       at every T: past DYNAMIC_MIN_ROWS rows torch's int8 matmul, up to
-                       it (decode at a small batch, where reading the weight is the cost)
-                       the native VNNI rows kernel where the CPU has AVX512-VNNI
-                       (`cpu_ops.int8_linear_rows`, the same bits), else torch's with
-                       the rows padded
+                       at every T: the native VNNI kernel where the CPU has
+                       AVX512-VNNI (`cpu_ops.int8_linear_rows`: the quantizing, the
+                       product and the rescaling in one op, the weight packed once),
+                       else torch's int8 matmul, rows padded up past DYNAMIC_MIN_ROWS
 
 With an input gain g [in] (`from_float(W, 'dynamic', input_gain=g)`, g > 0), q and s
 quantize W * g per output channel and the activations are divided by g before they are
@@ -44,8 +43,11 @@ from loraplex.kernels import cpu_ops
 
 INT8_MODES = ("dynamic", "weight_only")
 DYNAMIC_MIN_ROWS = 16
-"""torch's CPU int8 x int8 matmul takes more than 16 rows; up to 16 rows the dynamic
-product runs the native VNNI rows kernel (faster there, docs/benchmarks.md) or pads."""
+"""torch's CPU int8 x int8 matmul takes more than 16 rows: fewer are padded to 17 where
+the native VNNI kernel does not run."""
+VNNI_WIDE_ROWS = 8
+"""From this many rows on the VNNI kernel multiplies tiles of 8 rows by 48 channels,
+below it tiles of up to 4 rows by 96 channels (kernels/csrc/cpu_ops.cpp)."""
 VNNI_CHANNELS = 16
 """Output channels per block of the VNNI layout (`pack_vnni`)."""
 
@@ -110,10 +112,11 @@ class Int8Weight:
     """A projection's weight held as int8 per-channel (see the module docstring); takes
     the place of `PackedWeight` in a projection (`__call__(x, bias)`). `native`: the
     dynamic mode quantizes activations and rescales the int32 products with the native
-    CPU ops (kernels/cpu_ops.py, one pass each) instead of a chain of torch ops, and
-    multiplies up to DYNAMIC_MIN_ROWS rows with the VNNI rows kernel where the CPU has
-    it. The dynamic mode keeps q.T (torch's int8 matmul) and, for that kernel, the VNNI
-    packing; q is then a view of q.T."""
+    CPU ops (kernels/cpu_ops.py, one pass each) instead of a chain of torch ops, or,
+    where the CPU has AVX512-VNNI, runs the whole product as the native VNNI kernel at
+    every batch (faster than torch's int8 matmul from 1 to 2,048 rows on the default
+    model's shapes, docs/benchmarks.md). The dynamic mode keeps q.T (torch's int8
+    matmul) and, for that kernel, the VNNI packing; q is then a view of q.T."""
 
     def __init__(
         self,
@@ -185,7 +188,7 @@ class Int8Weight:
                 out += bias
             return out
         rows = x.shape[0]
-        if self.vnni is not None and rows <= DYNAMIC_MIN_ROWS:
+        if self.vnni is not None:
             packed, col_sums = self.vnni
             return cpu_ops.int8_linear_rows(
                 x.contiguous(),

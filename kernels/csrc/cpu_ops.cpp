@@ -1561,72 +1561,65 @@ void dequantize_int32(const Tensor& acc, const Tensor& row_scales, const Tensor&
 
 // ---------------------------------------------------------------- int8 rows (VNNI)
 
-// A few rows (decode at a small batch) times an int8 weight, with the activations
-// quantized per row as quantize_rows_int8 does: the product reads each weight byte once
-// at memory speed. The weight is packed in blocks of 16 output channels by 4 inputs
-// ([ceil(N/16), ceil(K/4), 16, 4], zero padded), the layout of one VNNI instruction:
-// u8 activations (q + 128) times s8 weights, 4 products summed into each int32 lane.
-// The + 128 is taken back with the weight's column sums: acc - 128 * sum_k w[n, k].
+// Rows times an int8 weight, with the activations quantized per row as
+// quantize_rows_int8 does, the int32 products rescaled in registers. The weight is packed
+// in blocks of 16 output channels by 4 inputs ([ceil(N/16), ceil(K/4), 16, 4], zero
+// padded), the layout of one VNNI instruction: u8 activations (q + 128) times s8 weights,
+// 4 products summed into each int32 lane. The + 128 is taken back with the weight's
+// column sums: acc - 128 * sum_k w[n, k].
+//
+// A tile is MR rows by NB blocks, MR * NB accumulators in registers over the whole K:
+// 8 x 3 from 8 rows on (each 64-byte weight step feeds 8 rows from L1; 24 products per
+// 3 weight loads and 8 broadcasts), 4 x 6 / 2 x 6 / 1 x 6 below (decode at a small
+// batch, where reading the weight from memory is the cost). Threads split the output
+// channels by tiles; a thread runs every row group through its tile while the tile's
+// weight stays in L1 (docs/benchmarks.md, "Int8 tiles").
 constexpr int64_t kVnniChannels = 16;
-constexpr int kVnniBlocks = 6;  // weight blocks per tile (16 channels each)
-constexpr int kVnniRows = 4;    // rows per tile, at most
 constexpr int64_t kVnniPrefetch = 16;  // how many 64-byte steps ahead a block stream is requested
+constexpr int64_t kVnniWideRows = 8;   // from this many rows on, tiles are 8 rows x 3 blocks
 
+// Rows [0, MR) of xu (stride x_stride, u8) times blocks [0, NB) of w (each k4s steps of
+// 64 bytes, consecutive), rescaled into out (stride out_stride) per the Semantics below.
+template <int MR, int NB, typename T>
+FORCE_INLINE void int8_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w, int64_t k4s,
+                            const float* row_scales, const int32_t* sums, const float* scales,
+                            const T* bias, int64_t n0, int64_t n_out, T* out, int64_t out_stride) {
+  int32_t acc[MR][NB][kVnniChannels];
 #if defined(__AVX512VNNI__)
-template <int MT>
-FORCE_INLINE void vnni_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w, int64_t k4s,
-                            int64_t block0, int64_t blocks, __m512i (&acc)[kVnniRows][kVnniBlocks]) {
-  for (int m = 0; m < MT; ++m) {
-    for (int j = 0; j < kVnniBlocks; ++j) {
-      acc[m][j] = _mm512_setzero_si512();
+  __m512i v[MR][NB];
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < NB; ++j) {
+      v[m][j] = _mm512_setzero_si512();
     }
   }
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
-    __m512i wv[kVnniBlocks];
-    for (int j = 0; j < kVnniBlocks; ++j) {
-      if (j < blocks) {
-        const int8_t* step = w + ((block0 + j) * k4s + k4) * 64;
-        __builtin_prefetch(step + kVnniPrefetch * 64, 0, 0);
-        wv[j] = _mm512_loadu_si512(step);
-      }
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* step = w + (j * k4s + k4) * 64;
+      __builtin_prefetch(step + kVnniPrefetch * 64, 0, 0);
+      wv[j] = _mm512_loadu_si512(step);
     }
-    for (int m = 0; m < MT; ++m) {
+    for (int m = 0; m < MR; ++m) {
       int32_t four;
       std::memcpy(&four, xu + m * x_stride + 4 * k4, sizeof(four));
       const __m512i a = _mm512_set1_epi32(four);
-      for (int j = 0; j < kVnniBlocks; ++j) {
-        if (j < blocks) {
-          acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], a, wv[j]);
-        }
+      for (int j = 0; j < NB; ++j) {
+        v[m][j] = _mm512_dpbusd_epi32(v[m][j], a, wv[j]);
       }
     }
   }
-}
-#endif
-
-// Products of rows [m0, m0 + rows) with blocks [block0, block0 + blocks) into acc.
-inline void int8_rows_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w, int64_t k4s,
-                           int64_t block0, int64_t blocks, int64_t rows,
-                           int32_t (&acc)[kVnniRows][kVnniBlocks][kVnniChannels]) {
-#if defined(__AVX512VNNI__)
-  __m512i v[kVnniRows][kVnniBlocks];
-  switch (rows) {
-    case 4: vnni_tile<4>(xu, x_stride, w, k4s, block0, blocks, v); break;
-    case 2: vnni_tile<2>(xu, x_stride, w, k4s, block0, blocks, v); break;
-    default: vnni_tile<1>(xu, x_stride, w, k4s, block0, blocks, v); break;
-  }
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int j = 0; j < kVnniBlocks; ++j) {
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < NB; ++j) {
       _mm512_storeu_si512(acc[m][j], v[m][j]);
     }
   }
 #else
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t j = 0; j < blocks; ++j) {
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < NB; ++j) {
       for (int64_t c = 0; c < kVnniChannels; ++c) {
         int32_t sum = 0;
         for (int64_t k4 = 0; k4 < k4s; ++k4) {
-          const int8_t* wb = w + ((block0 + j) * k4s + k4) * 64 + c * 4;
+          const int8_t* wb = w + (j * k4s + k4) * 64 + c * 4;
           const uint8_t* xb = xu + m * x_stride + 4 * k4;
           for (int e = 0; e < 4; ++e) {
             sum += static_cast<int32_t>(xb[e]) * static_cast<int32_t>(wb[e]);
@@ -1637,6 +1630,101 @@ inline void int8_rows_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w,
     }
   }
 #endif
+  for (int m = 0; m < MR; ++m) {
+    const float rs = row_scales[m];
+    T* o = out + m * out_stride;
+    for (int j = 0; j < NB; ++j) {
+      const int64_t first = n0 + j * kVnniChannels;
+      const int64_t valid = std::min<int64_t>(kVnniChannels, n_out - first);
+      int64_t c = 0;
+#if defined(__AVX512F__)
+      if (valid == kVnniChannels) {  // the loop below in 16 lanes, bit for bit
+        const __m512i sums16 = _mm512_loadu_si512(sums + first);
+        const __m512i product =
+            _mm512_sub_epi32(_mm512_loadu_si512(acc[m][j]), _mm512_slli_epi32(sums16, 7));
+        const __m512 value = _mm512_mul_ps(
+            _mm512_mul_ps(_mm512_cvtepi32_ps(product), _mm512_set1_ps(rs)),
+            _mm512_loadu_ps(scales + first));
+        if (bias != nullptr) {
+          store16(o + first, _mm512_add_ps(round16<T>(value), load16(bias + first)));
+        } else {
+          store16(o + first, value);
+        }
+        c = kVnniChannels;
+      }
+#endif
+      for (; c < valid; ++c) {
+        const int64_t n = first + c;
+        const int32_t product = acc[m][j][c] - sums[n] * 128;
+        const float value = static_cast<float>(product) * rs * scales[n];
+        if (bias != nullptr) {
+          store_f(o + n, round_to<T>(value) + load_f(bias + n));
+        } else {
+          store_f(o + n, value);
+        }
+      }
+    }
+  }
+}
+
+// Blocks [0, NB) of one tile for every row: row groups of MR, then the rest by 4, 2, 1.
+template <int MR, int NB, typename T>
+void int8_tile_rows(const uint8_t* xu, int64_t padded, const int8_t* w, int64_t k4s, int64_t rows,
+                    const float* row_scales, const int32_t* sums, const float* scales,
+                    const T* bias, int64_t n0, int64_t n_out, T* out) {
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) {
+    int8_tile<MR, NB>(xu + m * padded, padded, w, k4s, row_scales + m, sums, scales, bias, n0,
+                      n_out, out + m * n_out, n_out);
+  }
+  if constexpr (MR > 4) {
+    for (; m + 4 <= rows; m += 4) {
+      int8_tile<4, NB>(xu + m * padded, padded, w, k4s, row_scales + m, sums, scales, bias, n0,
+                       n_out, out + m * n_out, n_out);
+    }
+  }
+  if constexpr (MR > 2) {
+    for (; m + 2 <= rows; m += 2) {
+      int8_tile<2, NB>(xu + m * padded, padded, w, k4s, row_scales + m, sums, scales, bias, n0,
+                       n_out, out + m * n_out, n_out);
+    }
+  }
+  for (; m < rows; ++m) {
+    int8_tile<1, NB>(xu + m * padded, padded, w, k4s, row_scales + m, sums, scales, bias, n0,
+                     n_out, out + m * n_out, n_out);
+  }
+}
+
+// f(std::integral_constant<int, count>{}) for a runtime count in [1, MAX].
+template <int MAX, typename F>
+FORCE_INLINE void with_block_count(int64_t count, const F& f) {
+  if constexpr (MAX == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (count == MAX) {
+    f(std::integral_constant<int, MAX>{});
+  } else {
+    with_block_count<MAX - 1>(count, f);
+  }
+}
+
+// Every tile of NB blocks (the last one narrower) in parallel over the output channels.
+template <int MR, int NB, typename T>
+void int8_tiles(const uint8_t* xu, int64_t padded, const int8_t* w, int64_t k4s, int64_t blocks,
+                int64_t rows, const float* row_scales, const int32_t* sums, const float* scales,
+                const T* bias, int64_t n_out, T* out) {
+  const int64_t tiles = (blocks + NB - 1) / NB;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t block0 = tile * NB;
+      const int8_t* wt = w + block0 * k4s * 64;
+      const int64_t n0 = block0 * kVnniChannels;
+      const auto run = [&](auto width) {
+        int8_tile_rows<MR, decltype(width)::value>(xu, padded, wt, k4s, rows, row_scales, sums,
+                                                   scales, bias, n0, n_out, out);
+      };
+      with_block_count<NB>(std::min<int64_t>(NB, blocks - block0), run);
+    }
+  });
 }
 
 template <typename T>
@@ -1646,69 +1734,30 @@ void int8_linear_rows_kernel(const Tensor& x, const float* input_scales, const T
   const int64_t rows = x.size(0), width = x.size(1), n_out = out.size(1);
   const int64_t blocks = packed.size(0), k4s = packed.size(1), padded = 4 * k4s;
   const T* x_data = x.data_ptr<T>();
-  // Quantized rows padded with quantized zeros, then + 128 as bytes (q ^ 0x80), in place.
+  // Quantized rows padded with quantized zeros, then + 128 as bytes (q ^ 0x80).
   std::vector<uint8_t> xu(rows * padded, 0);
   std::vector<float> row_scales(rows);
-  for (int64_t t = 0; t < rows; ++t) {
-    row_scales[t] = quantize_row_int8(x_data + t * width, input_scales,
-                                      reinterpret_cast<int8_t*>(xu.data() + t * padded), width);
-  }
-  for (uint8_t& byte : xu) {
-    byte ^= 0x80u;
-  }
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      uint8_t* row = xu.data() + t * padded;
+      row_scales[t] = quantize_row_int8(x_data + t * width, input_scales,
+                                        reinterpret_cast<int8_t*>(row), width);
+      for (int64_t k = 0; k < padded; ++k) {
+        row[k] ^= 0x80u;
+      }
+    }
+  });
   const int8_t* w = packed.data_ptr<int8_t>();
   const int32_t* sums = col_sums.data_ptr<int32_t>();
   const float* scales = col_scales.data_ptr<float>();
   T* out_data = out.data_ptr<T>();
-  const int64_t tiles = (blocks + kVnniBlocks - 1) / kVnniBlocks;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    int32_t acc[kVnniRows][kVnniBlocks][kVnniChannels];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t block0 = tile * kVnniBlocks;
-      const int64_t count = std::min<int64_t>(kVnniBlocks, blocks - block0);
-      for (int64_t m0 = 0; m0 < rows;) {
-        const int64_t left = rows - m0;
-        const int64_t mt = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        int8_rows_tile(xu.data() + m0 * padded, padded, w, k4s, block0, count, mt, acc);
-        for (int64_t m = 0; m < mt; ++m) {
-          const float rs = row_scales[m0 + m];
-          T* o = out_data + (m0 + m) * n_out;
-          for (int64_t j = 0; j < count; ++j) {
-            const int64_t n0 = (block0 + j) * kVnniChannels;
-            const int64_t valid = std::min<int64_t>(kVnniChannels, n_out - n0);
-            int64_t c = 0;
-#if defined(__AVX512F__)
-            if (valid == kVnniChannels) {  // the loop below in 16 lanes, bit for bit
-              const __m512i sums16 = _mm512_loadu_si512(sums + n0);
-              const __m512i product = _mm512_sub_epi32(_mm512_loadu_si512(acc[m][j]),
-                                                       _mm512_slli_epi32(sums16, 7));
-              const __m512 v = _mm512_mul_ps(
-                  _mm512_mul_ps(_mm512_cvtepi32_ps(product), _mm512_set1_ps(rs)),
-                  _mm512_loadu_ps(scales + n0));
-              if (bias != nullptr) {
-                store16(o + n0, _mm512_add_ps(round16<T>(v), load16(bias + n0)));
-              } else {
-                store16(o + n0, v);
-              }
-              c = kVnniChannels;
-            }
-#endif
-            for (; c < valid; ++c) {
-              const int64_t n = n0 + c;
-              const int32_t product = acc[m][j][c] - sums[n] * 128;
-              const float v = static_cast<float>(product) * rs * scales[n];
-              if (bias != nullptr) {
-                store_f(o + n, round_to<T>(v) + load_f(bias + n));
-              } else {
-                store_f(o + n, v);
-              }
-            }
-          }
-        }
-        m0 += mt;
-      }
-    }
-  });
+  if (rows >= kVnniWideRows) {
+    int8_tiles<8, 3>(xu.data(), padded, w, k4s, blocks, rows, row_scales.data(), sums, scales,
+                     bias, n_out, out_data);
+  } else {
+    int8_tiles<4, 6>(xu.data(), padded, w, k4s, blocks, rows, row_scales.data(), sums, scales,
+                     bias, n_out, out_data);
+  }
 }
 
 // Semantics: per row t of x [T, K] (contiguous), quantized as quantize_rows_int8 does

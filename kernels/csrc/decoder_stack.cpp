@@ -145,16 +145,16 @@ class Stack {
     }
   }
 
-  // Int8Weight.__call__ with the native ops: W8A8 at every batch (the VNNI rows kernel
-  // up to `dynamic_min_rows` rows where packed, else torch's int8 matmul, rows padded
-  // past that bound), or the weight-only product with bf16 activations.
+  // Int8Weight.__call__ with the native ops: W8A8 at every batch (the VNNI kernel where
+  // packed, else torch's int8 matmul, rows padded up past `dynamic_min_rows`), or the
+  // weight-only product with bf16 activations.
   Tensor int8_linear(const Tensor* w, const Tensor& x, const std::optional<Tensor>& bias) const {
     if (kind_ == Projection::kInt8Dynamic) {
       const Tensor xc = x.contiguous();
       const int64_t rows = xc.size(0);
       const std::optional<Tensor> input_scales =
           w[6].numel() > 0 ? std::optional<Tensor>(w[6]) : std::nullopt;
-      if (rows <= dynamic_min_rows_ && w[4].numel() > 0) {
+      if (w[4].numel() > 0) {
         Tensor out = at::empty({rows, w[2].size(0)}, x.options());
         ops_.int8_rows.call(xc, input_scales, w[4], w[5], w[2], bias, out);
         return out;
@@ -261,8 +261,8 @@ class Stack {
 // lora_a[i], lora_b[i] and kind i % 4's slice ends when token_slots is not empty), multiplied as
 // `projection` says: "packed" (weights [4L] prepacked by oneDNN), "plain" ([4L] of
 // [out, in]), "int8_dynamic" / "int8_weight_only" (weights [28L]: per projection the
-// six tensors of kInt8Tensors; the dynamic product runs the VNNI rows kernel up to
-// `dynamic_min_rows` rows where packed, as kernels/int8_matmul.py).
+// six tensors of kInt8Tensors; the dynamic product runs the VNNI kernel where packed,
+// else pads to more than `dynamic_min_rows` rows, as kernels/int8_matmul.py).
 // hidden [T, hidden] (the embedded tokens); cos / sin [T, Dh/2]; norm_weights [2L + 1];
 // biases [4L] (None: no bias); kv_caches [L] of [2, N, Hkv, B, Dh]; slot_mapping [T] int64; the first
 // num_decodes tokens are decodes, each with its block table row and key count ([D, W],

@@ -8,6 +8,7 @@ import torch
 
 from loraplex.kernels.int8_matmul import (
     DYNAMIC_MIN_ROWS,
+    VNNI_WIDE_ROWS,
     Int8Weight,
     cpu_has_vnni,
     dequantize,
@@ -87,13 +88,18 @@ def test_native_dynamic_path_equals_the_torch_path(weight, dtype, with_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, DYNAMIC_MIN_ROWS])
-@pytest.mark.parametrize("shape", [(100, 66), (48, 1536)], ids=["ragged", "wide"])
+@pytest.mark.parametrize("rows", [1, 3, 7, VNNI_WIDE_ROWS, 13, DYNAMIC_MIN_ROWS, 31, 64])
+@pytest.mark.parametrize(
+    "shape",
+    [(100, 66), (80, 66), (64, 66), (32, 66), (48, 1536)],
+    ids=["seven-blocks-ragged", "five-blocks", "four-blocks", "two-blocks", "long-k"],
+)
 def test_vnni_rows_kernel_equals_torch_int8_matmul(dtype, rows, shape):
     """cpu_ops.int8_linear_rows gives quantize_rows_int8 + torch._int_mm (rows padded)
     + dequantize_int32 bit for bit: ragged N and K (padding), a long K (int32 sums of
-    1,536 products), with and without bias and input scales, 1 to 16 rows (every row
-    tile)."""
+    1,536 products), with and without bias and input scales; every row tile (8, 4, 2
+    and 1 rows) and every tile width (1 to 6 blocks of 16 output channels, as 7, 5, 4, 3
+    and 2 blocks split by 6 below 8 rows and by 3 from 8 on)."""
     from loraplex.kernels import cpu_ops
 
     if not cpu_ops.load():
@@ -110,7 +116,7 @@ def test_vnni_rows_kernel_equals_torch_int8_matmul(dtype, rows, shape):
     some_bias = torch.randn(out_features, generator=generator).to(dtype)
     for input_scales, bias in ((None, None), (None, some_bias), (channel, some_bias)):
         xq, row_scale = cpu_ops.quantize_rows_int8(x, input_scales)
-        padded = torch.nn.functional.pad(xq, (0, 0, 0, DYNAMIC_MIN_ROWS + 1 - rows))
+        padded = torch.nn.functional.pad(xq, (0, 0, 0, max(0, DYNAMIC_MIN_ROWS + 1 - rows)))
         acc = torch._int_mm(padded, quantized.t().contiguous())[:rows].contiguous()
         got = cpu_ops.int8_linear_rows(x, input_scales, packed, col_sums, scale, bias, out_features)
         want = cpu_ops.dequantize_int32(acc, row_scale, scale, bias, dtype)

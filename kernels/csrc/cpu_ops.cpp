@@ -1575,15 +1575,22 @@ void dequantize_int32(const Tensor& acc, const Tensor& row_scales, const Tensor&
 // channels by tiles; a thread runs every row group through its tile while the tile's
 // weight stays in L1 (docs/benchmarks.md, "Int8 tiles").
 constexpr int64_t kVnniChannels = 16;
-constexpr int64_t kVnniPrefetch = 16;  // how many 64-byte steps ahead a block stream is requested
-constexpr int64_t kVnniWideRows = 8;   // from this many rows on, tiles are 8 rows x 3 blocks
+constexpr int64_t kVnniWideRows = 8;  // from this many rows on, tiles are 8 rows x 3 blocks
+
+// The next tile's weight lines [first, end) (64 bytes each) that one row group requests
+// into L2 while it multiplies, `per_step` of them per 4-input step; none where next is null.
+struct NextTile {
+  const int8_t* next = nullptr;
+  int64_t first = 0, end = 0, per_step = 0;
+};
 
 // Rows [0, MR) of xu (stride x_stride, u8) times blocks [0, NB) of w (each k4s steps of
 // 64 bytes, consecutive), rescaled into out (stride out_stride) per the Semantics below.
 template <int MR, int NB, typename T>
 FORCE_INLINE void int8_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w, int64_t k4s,
                             const float* row_scales, const int32_t* sums, const float* scales,
-                            const T* bias, int64_t n0, int64_t n_out, T* out, int64_t out_stride) {
+                            const T* bias, int64_t n0, int64_t n_out, T* out, int64_t out_stride,
+                            const NextTile& ahead) {
   int32_t acc[MR][NB][kVnniChannels];
 #if defined(__AVX512VNNI__)
   __m512i v[MR][NB];
@@ -1595,9 +1602,13 @@ FORCE_INLINE void int8_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
-      const int8_t* step = w + (j * k4s + k4) * 64;
-      __builtin_prefetch(step + kVnniPrefetch * 64, 0, 0);
-      wv[j] = _mm512_loadu_si512(step);
+      wv[j] = _mm512_loadu_si512(w + (j * k4s + k4) * 64);
+    }
+    for (int64_t p = 0; p < ahead.per_step; ++p) {
+      const int64_t line = ahead.first + k4 * ahead.per_step + p;
+      if (line < ahead.end) {
+        __builtin_prefetch(ahead.next + line * 64, 0, 2);
+      }
     }
     for (int m = 0; m < MR; ++m) {
       int32_t four;
@@ -1668,30 +1679,56 @@ FORCE_INLINE void int8_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w
 }
 
 // Blocks [0, NB) of one tile for every row: row groups of MR, then the rest by 4, 2, 1.
+// `next` (null for a thread's last tile) is the tile the thread multiplies after this one,
+// `next_lines` 64-byte lines long: the row groups after the first (which reads this
+// tile from memory; the only one where there is one) request it into L2, in equal
+// shares, so that it is on its way while this tile runs from L1 (docs/benchmarks.md,
+// "Int8 tiles": 8% at 64 rows, 20% at one row against a fixed prefetch distance).
 template <int MR, int NB, typename T>
 void int8_tile_rows(const uint8_t* xu, int64_t padded, const int8_t* w, int64_t k4s, int64_t rows,
                     const float* row_scales, const int32_t* sums, const float* scales,
-                    const T* bias, int64_t n0, int64_t n_out, T* out) {
+                    const T* bias, int64_t n0, int64_t n_out, T* out, const int8_t* next,
+                    int64_t next_lines) {
+  int64_t groups = rows / MR;
+  for (int64_t left = rows % MR, size = MR / 2; size >= 1; size /= 2) {
+    groups += left / size;
+    left %= size;
+  }
+  const int64_t sharing = groups > 1 ? groups - 1 : 1;
+  const int64_t share = (next_lines + sharing - 1) / sharing;
+  int64_t group = 0;
+  const auto ahead = [&]() {
+    NextTile tile;
+    const int64_t index = groups > 1 ? group - 1 : group;
+    if (next != nullptr && index >= 0) {
+      tile.next = next;
+      tile.first = index * share;
+      tile.end = std::min(next_lines, tile.first + share);
+      tile.per_step = (share + k4s - 1) / k4s;
+    }
+    ++group;
+    return tile;
+  };
   int64_t m = 0;
   for (; m + MR <= rows; m += MR) {
     int8_tile<MR, NB>(xu + m * padded, padded, w, k4s, row_scales + m, sums, scales, bias, n0,
-                      n_out, out + m * n_out, n_out);
+                      n_out, out + m * n_out, n_out, ahead());
   }
   if constexpr (MR > 4) {
     for (; m + 4 <= rows; m += 4) {
       int8_tile<4, NB>(xu + m * padded, padded, w, k4s, row_scales + m, sums, scales, bias, n0,
-                       n_out, out + m * n_out, n_out);
+                       n_out, out + m * n_out, n_out, ahead());
     }
   }
   if constexpr (MR > 2) {
     for (; m + 2 <= rows; m += 2) {
       int8_tile<2, NB>(xu + m * padded, padded, w, k4s, row_scales + m, sums, scales, bias, n0,
-                       n_out, out + m * n_out, n_out);
+                       n_out, out + m * n_out, n_out, ahead());
     }
   }
   for (; m < rows; ++m) {
     int8_tile<1, NB>(xu + m * padded, padded, w, k4s, row_scales + m, sums, scales, bias, n0,
-                     n_out, out + m * n_out, n_out);
+                     n_out, out + m * n_out, n_out, ahead());
   }
 }
 
@@ -1718,9 +1755,12 @@ void int8_tiles(const uint8_t* xu, int64_t padded, const int8_t* w, int64_t k4s,
       const int64_t block0 = tile * NB;
       const int8_t* wt = w + block0 * k4s * 64;
       const int64_t n0 = block0 * kVnniChannels;
+      const int64_t next_blocks = tile + 1 < end ? std::min<int64_t>(NB, blocks - block0 - NB) : 0;
+      const int8_t* next = next_blocks > 0 ? wt + NB * k4s * 64 : nullptr;
       const auto run = [&](auto width) {
         int8_tile_rows<MR, decltype(width)::value>(xu, padded, wt, k4s, rows, row_scales, sums,
-                                                   scales, bias, n0, n_out, out);
+                                                   scales, bias, n0, n_out, out, next,
+                                                   next_blocks * k4s);
       };
       with_block_count<NB>(std::min<int64_t>(NB, blocks - block0), run);
     }

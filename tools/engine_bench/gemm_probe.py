@@ -9,10 +9,11 @@ distinct weight per layer (and the LM head), so each call reads its weight from 
 real step finds it: a shape timed alone over its layer copies can stay in a large L3
 cache and run faster than inside the model's pass.
 
-With `quantization` ('dynamic' or 'weight_only', kernels/int8_matmul.py) the decoder
-layers' projections are timed as the engine runs them under `quantization: int8` /
-`int8_weight_only`: int8 weights per output channel with the native ops, activations in
-`dtype`; the LM head stays in `dtype`, as the engine keeps it by default.
+With `quantization` (an `Int8Product`: mode 'dynamic' or 'weight_only',
+kernels/int8_matmul.py) the decoder layers' projections are timed as the engine runs
+them under `quantization: int8` / `int8_weight_only`: int8 weights per output channel
+with the native ops, activations in `dtype`; the LM head stays in `dtype`, as the engine
+keeps it by default, or is int8 too where the product says so (`quantize_lm_head`).
 
 The times feed two things: the ceiling of `loraplex bench offline --ceiling`
 (`tools/engine_bench/ceiling.py`) and `dtype: auto`, which picks the dtype whose projections
@@ -158,14 +159,28 @@ def _weights(projection: Projection, dtype: torch.dtype, copies: int) -> list[to
 INT8_BACKEND = "int8"
 
 
+@dataclass(frozen=True)
+class Int8Product:
+    """How an int8 engine multiplies: its decoder layers' int8 mode ('dynamic' or
+    'weight_only', kernels/int8_matmul.py) and whether its LM head is int8 too (the
+    engine option `quantize_lm_head`)."""
+
+    mode: str
+    lm_head: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"int8_{self.mode}" + ("+lm_head" if self.lm_head else "")
+
+
 def _backends(
-    weights: list[torch.Tensor], quantization: str | None = None
+    weights: list[torch.Tensor], int8_mode: str | None = None
 ) -> dict[str, list[Callable[[torch.Tensor], object]]]:
     """The matmuls to compare: MKL's F.linear, and oneDNN's prepacked linear where the
-    weights can be packed; with `quantization`, the one int8 product of that mode.
+    weights can be packed; with `int8_mode`, the one int8 product of that mode.
     Each call maps x -> x @ W.T."""
-    if quantization is not None:
-        int8 = [Int8Weight.from_float(w, quantization, native=True) for w in weights]
+    if int8_mode is not None:
+        int8 = [Int8Weight.from_float(w, int8_mode, native=True) for w in weights]
         return {INT8_BACKEND: [functools.partial(_onednn_linear, weight=w) for w in int8]}
     found: dict[str, list[Callable[[torch.Tensor], object]]] = {
         "mkl": [functools.partial(_mkl_linear, weight=w) for w in weights]
@@ -184,10 +199,12 @@ def _onednn_linear(x: torch.Tensor, weight: PackedWeight | Int8Weight) -> torch.
     return weight(x, None)
 
 
-def _quantized(projection: Projection, quantization: str | None) -> str | None:
+def _quantized(projection: Projection, quantization: Int8Product | None) -> str | None:
     """The int8 mode `projection` runs in: the decoder layers' under `quantization`;
-    the LM head stays in the engine's dtype."""
-    return quantization if projection.per_layer else None
+    the LM head stays in the engine's dtype unless the product quantizes it too."""
+    if quantization is None or not (projection.per_layer or quantization.lm_head):
+        return None
+    return quantization.mode
 
 
 def _time_compute_bound(
@@ -195,7 +212,7 @@ def _time_compute_bound(
     rows: int,
     dtype: torch.dtype,
     min_timed_s: float,
-    quantization: str | None = None,
+    quantization: Int8Product | None = None,
 ) -> tuple[float, str]:
     """One projection alone over two weight copies (its weights' reads do not matter)."""
     copies = min(2, projection.count)
@@ -227,7 +244,7 @@ def _time_streamed(
     rows: int,
     dtype: torch.dtype,
     min_timed_s: float,
-    quantization: str | None = None,
+    quantization: Int8Product | None = None,
 ) -> dict[str, tuple[float, str]]:
     """Every projection at `rows`, called in the model's order (layer by layer, then the
     LM head) over distinct per-layer weights, so each call reads its weight from where a
@@ -279,7 +296,7 @@ def cache_key(
     rows: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     min_timed_s: float,
-    quantization: str | None = None,
+    quantization: Int8Product | None = None,
 ) -> str:
     digest = hashlib.sha256()
     parts = [
@@ -297,12 +314,13 @@ def cache_key(
     return digest.hexdigest()[:20]
 
 
-def product_name(dtype: torch.dtype, quantization: str | None) -> str:
+def product_name(dtype: torch.dtype, quantization: Int8Product | None) -> str:
     """How a probe's projections multiply: the dtype, or e.g. 'int8_dynamic/bfloat16'
-    (int8 decoder layers, activations and LM head in bf16)."""
+    (int8 decoder layers, activations and LM head in bf16), 'int8_dynamic+lm_head/bfloat16'
+    (the LM head in int8 too)."""
     if quantization is None:
         return dtype_name(dtype)
-    return f"int8_{quantization}/{dtype_name(dtype)}"
+    return f"{quantization.name}/{dtype_name(dtype)}"
 
 
 def probe_cache_dir() -> Path:
@@ -316,7 +334,7 @@ def probe_gemm_times(
     *,
     min_timed_s: float | None = None,
     use_cache: bool = True,
-    quantization: str | None = None,
+    quantization: Int8Product | None = None,
 ) -> GemmTimes:
     """Times every projection at its row counts (`rows[name]`) in `dtype` with torch's
     current thread count, on the calling thread (the engine's compute thread: a probe

@@ -37,7 +37,7 @@ from loraplex.platform.config import QUANTIZATIONS, dtype_name, parse_dtype_opti
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.request import SamplingParams
 from loraplex.tools.engine_bench.ceiling import Ceiling, FixedWorkload, measure_ceiling
-from loraplex.tools.engine_bench.gemm_probe import candidate_dtypes
+from loraplex.tools.engine_bench.gemm_probe import Int8Product, candidate_dtypes
 
 logger = logging.getLogger(__name__)
 
@@ -498,7 +498,9 @@ def run_offline_bench(
 
     llm = LLM(model=str(folder), dtype=dtype_option, seed=seed, **(engine_options or {}))
     torch_dtype = llm.engine.config.model.dtype
-    quantization = QUANTIZATIONS.get(llm.engine.config.model.quantization or "")
+    model_config = llm.engine.config.model
+    mode = QUANTIZATIONS.get(model_config.quantization or "")
+    quantization = None if mode is None else Int8Product(mode, model_config.quantize_lm_head)
     report.dtype = dtype_name(torch_dtype)
     pool = normal_token_ids(llm.tokenizer, model_vocab_size(folder))
     report.workload = build_workload(pool, num_requests, prompt_len, output_len, seed)
@@ -523,17 +525,17 @@ def run_offline_bench(
 
 
 def ceiling_products(
-    device: torch.device, dtype: torch.dtype, quantization: str | None
-) -> list[tuple[torch.dtype, str | None]]:
-    """The (dtype, int8 mode) ceilings to probe: the engine's own first, then every other
-    dtype this CPU multiplies natively, and int8 W8A8 with activations in the engine's
-    dtype (where the native CPU ops that int8 needs are built)."""
+    device: torch.device, dtype: torch.dtype, quantization: Int8Product | None
+) -> list[tuple[torch.dtype, Int8Product | None]]:
+    """The (dtype, int8 product) ceilings to probe: the engine's own first, then every
+    other dtype this CPU multiplies natively, and int8 W8A8 with activations in the
+    engine's dtype (where the native CPU ops that int8 needs are built)."""
     from loraplex.kernels import cpu_ops
 
     products = [(dtype, quantization)]
     products += [(d, None) for d in candidate_dtypes(device) if (d, None) not in products]
-    if cpu_ops.load() and (dtype, "dynamic") not in products:
-        products.append((dtype, "dynamic"))
+    if cpu_ops.load() and not any(q is not None and q.mode == "dynamic" for _, q in products):
+        products.append((dtype, Int8Product("dynamic")))
     return products
 
 

@@ -10,7 +10,12 @@ import torch
 from loraplex.kernels.cache_dir import CACHE_DIR_ENV
 from loraplex.platform.arch import ModelArch
 from loraplex.tools.engine_bench import gemm_probe
-from loraplex.tools.engine_bench.gemm_probe import Projection, model_projections, probe_gemm_times
+from loraplex.tools.engine_bench.gemm_probe import (
+    Int8Product,
+    Projection,
+    model_projections,
+    probe_gemm_times,
+)
 
 TINY_PROJECTIONS = (
     Projection("qkv", 24, 16, 2),
@@ -54,9 +59,10 @@ def test_probe_times_every_projection_at_every_row_count(quick_probe):
 
 @pytest.mark.parametrize("mode", ["dynamic", "weight_only"])
 def test_an_int8_probe_times_the_layers_in_int8_and_the_lm_head_as_is(quick_probe, mode):
-    """Rows past 16 take W8A8 under 'dynamic' (300 here), smaller ones the weight-only
-    product; the LM head stays a float matmul; the probe is cached apart from fp32's."""
-    times = probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, quantization=mode)
+    """The decoder layers take the int8 product of the mode at every row count; the LM
+    head stays a float matmul; the probe is cached apart from fp32's."""
+    product = Int8Product(mode)
+    times = probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, quantization=product)
     assert times.dtype == f"int8_{mode}/float32"
     for name, rows in ROWS.items():
         for m in rows:
@@ -68,6 +74,20 @@ def test_an_int8_probe_times_the_layers_in_int8_and_the_lm_head_as_is(quick_prob
         json.loads(f.read_text())["dtype"] for f in (quick_probe / "gemm_probe").glob("*.json")
     )
     assert cached == ["float32", f"int8_{mode}/float32"]
+
+
+def test_an_int8_probe_with_the_lm_head_in_int8_times_it_in_int8(quick_probe):
+    """`quantize_lm_head`'s product: the LM head takes the int8 product too, and the probe
+    is cached apart from the one with a float head."""
+    with_head = Int8Product("dynamic", lm_head=True)
+    times = probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, quantization=with_head)
+    assert times.dtype == "int8_dynamic+lm_head/float32"
+    assert set(times.backend["lm_head"].values()) == {gemm_probe.INT8_BACKEND}
+    probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, quantization=Int8Product("dynamic"))
+    cached = sorted(
+        json.loads(f.read_text())["dtype"] for f in (quick_probe / "gemm_probe").glob("*.json")
+    )
+    assert cached == ["int8_dynamic+lm_head/float32", "int8_dynamic/float32"]
 
 
 def test_probe_is_cached_per_dtype_and_read_back(quick_probe, monkeypatch):

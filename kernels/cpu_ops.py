@@ -263,3 +263,20 @@ def dequantize_int32(
     out = torch.empty(acc.shape, dtype=dtype)
     ops().dequantize_int32(acc, row_scales, col_scales, bias, out)
     return out
+
+
+def dequantize_int4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Semantics: W [N, K] in `dtype`, W[n, k] = (q[n, k] - zeros[n, k // g]) *
+    scales[n, k // g] in fp32 (zeros 0 where None), q the int4 values of packed [N,
+    ceil(K / 8)] int32 (kernels/int4_matmul.py's `pack_int4` layout); scales [N, G] fp32,
+    zeros [N, G] int8, G = ceil(K / g). As kernels/int4_matmul.py's `dequantize_int4`."""
+    out = torch.empty(packed.shape[0], in_features, dtype=dtype)
+    ops().dequantize_int4(packed, scales, zeros, group_size, out)
+    return out

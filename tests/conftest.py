@@ -334,25 +334,40 @@ def greedy_continuations(model, prompts: list[list[int]], max_new: int) -> list[
     return outputs
 
 
-def load_int8_checkpoint_oracle(folder: Path, adapter_folder: Path | None = None):
-    """transformers on an int8 compressed-tensors checkpoint's dequantized weights
-    (each projection's int8 weight times its `weight_scale`), PEFT's adapter on top."""
+def load_quantized_checkpoint_oracle(folder: Path, adapter_folder: Path | None = None):
+    """transformers on a compressed-tensors checkpoint's dequantized weights (each int8
+    projection's weight times its `weight_scale`; each int4 one's unpacked groups minus
+    their zero points times their scales: kernels/int4_matmul.py), PEFT's adapter on
+    top."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from loraplex.kernels.int4_matmul import dequantize_int4, unpack_int4
+
     config = AutoConfig.from_pretrained(folder)
+    int4 = config.quantization_config.get("format") == "pack-quantized"
+    group_size = config.quantization_config["config_groups"]["group_0"]["weights"]["group_size"]
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     stored = load_file(folder / "model.safetensors")
-    model.load_state_dict(
-        {
-            name: tensor.float() * stored[name + "_scale"].float()
-            if name + "_scale" in stored
-            else tensor.float()
-            for name, tensor in stored.items()
-            if not name.endswith("_scale")
-        }
-    )
+    weights: dict[str, torch.Tensor] = {}
+    for name, tensor in stored.items():
+        if name.endswith("_packed"):
+            stem = name.removesuffix("_packed")
+            rows, columns = stored[stem + "_shape"].tolist()
+            zero = stored.get(stem + "_zero_point")
+            if zero is not None:
+                zero = unpack_int4(zero.t().contiguous(), rows).t()
+            quantized = unpack_int4(tensor, columns)
+            scale = stored[stem + "_scale"].float()
+            weights[stem] = dequantize_int4(quantized, scale, zero, group_size or columns)
+        elif int4 and name.endswith(("_scale", "_shape", "_zero_point")):
+            continue
+        elif name + "_scale" in stored:
+            weights[name] = tensor.float() * stored[name + "_scale"].float()
+        elif not name.endswith("_scale"):
+            weights[name] = tensor.float()
+    model.load_state_dict(weights)
     if adapter_folder is not None:
         from peft import PeftModel
 
@@ -380,9 +395,9 @@ def hf_greedy():
 
 
 @pytest.fixture(scope="session")
-def int8_checkpoint_oracle():
-    """`load_int8_checkpoint_oracle` as a fixture."""
-    return load_int8_checkpoint_oracle
+def quantized_checkpoint_oracle():
+    """`load_quantized_checkpoint_oracle` as a fixture."""
+    return load_quantized_checkpoint_oracle
 
 
 @pytest.fixture(scope="session")

@@ -159,12 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_quantize_command(command_parsers: argparse._SubParsersAction) -> None:
     quantize = command_parsers.add_parser(
         "quantize",
-        help="write an int8 compressed-tensors checkpoint (W8A8 or W8A16, per channel) "
-        "of a float model folder",
+        help="write a compressed-tensors checkpoint (int8 W8A8 or W8A16 per channel, int4 "
+        "W4A16 per group) of a float model folder",
     )
     _add_model_argument(quantize)
     quantize.add_argument("--out", required=True, help="the folder to write")
-    quantize.add_argument("--scheme", choices=["W8A8", "W8A16"], default="W8A8")
+    quantize.add_argument("--scheme", choices=["W8A8", "W8A16", "W4A16"], default="W8A8")
+    quantize.add_argument(
+        "--group-size",
+        type=int,
+        default=128,
+        help="W4A16: inputs per group (0: one group per output channel)",
+    )
+    quantize.add_argument("--asymmetric", action="store_true", help="W4A16: zero points per group")
     quantize.set_defaults(handler=run_quantize)
 
 
@@ -172,7 +179,13 @@ def run_quantize(args: argparse.Namespace) -> int:
     from loraplex.platform.model_files import resolve_model_folder
     from loraplex.tools.quantize import quantize_folder
 
-    out = quantize_folder(resolve_model_folder(args.model), Path(args.out), args.scheme)
+    out = quantize_folder(
+        resolve_model_folder(args.model),
+        Path(args.out),
+        args.scheme,
+        group_size=args.group_size or None,
+        symmetric=not args.asymmetric,
+    )
     sys.stdout.write(f"wrote {out} ({args.scheme})\n")
     return 0
 

@@ -1840,6 +1840,80 @@ void int8_linear_rows(const Tensor& x, const c10::optional<Tensor>& input_scales
   });
 }
 
+// ---------------------------------------------------------------- int4 dequantize
+
+template <typename T>
+void dequantize_int4_kernel(const Tensor& packed, const float* scales, const int8_t* zeros,
+                            int64_t group_size, int64_t groups, Tensor& out) {
+  const int64_t rows = out.size(0), width = out.size(1), words = packed.size(1);
+  const int32_t* packed_data = packed.data_ptr<int32_t>();
+  T* out_data = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int32_t* row = packed_data + n * words;
+      T* o = out_data + n * width;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float scale = scales[n * groups + g];
+        const float offset = 8.0f + (zeros != nullptr ? zeros[n * groups + g] : 0);
+        const int64_t stop = std::min(width, (g + 1) * group_size);
+        int64_t k = g * group_size;
+#if defined(__AVX512F__)
+        if (k % 8 == 0) {  // 16 values (two words) at a time, bit for bit the loop below
+          const __m512i shifts = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16,
+                                                  12, 8, 4, 0);
+          const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+          const __m512 offsets = _mm512_set1_ps(offset), scales16 = _mm512_set1_ps(scale);
+          for (; k + 16 <= stop; k += 16) {
+            // lanes 0-7 the word of values k .. k + 7, lanes 8-15 the next one
+            const __m512i words = _mm512_permutexvar_epi32(
+                halves, _mm512_castsi128_si512(
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (k >> 3)))));
+            const __m512i nibbles =
+                _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15));
+            store16(o + k, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(nibbles), offsets),
+                                         scales16));
+          }
+        }
+#endif
+        for (; k < stop; ++k) {
+          const uint32_t word = static_cast<uint32_t>(row[k >> 3]);
+          const float nibble = static_cast<float>((word >> (4 * (k & 7))) & 15u);
+          store_f(o + k, (nibble - offset) * scale);
+        }
+      }
+    }
+  });
+}
+
+// Semantics: out[n, k] = dtype((q[n, k] - zeros[n, k / g]) * scales[n, k / g]) in fp32,
+// with q[n, k] = ((packed[n, k / 8] >> 4 (k % 8)) & 15) - 8 (kernels/int4_matmul.py's
+// pack_int4 layout) and zeros 0 where not given: packed [N, ceil(K / 8)] int32; scales
+// [N, G] fp32 and zeros [N, G] int8 with G = ceil(K / g); out [N, K] float32, bf16 or
+// fp16.
+void dequantize_int4(const Tensor& packed, const Tensor& scales, const c10::optional<Tensor>& zeros,
+                     int64_t group_size, Tensor out) {
+  check_cpu(packed, "packed");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out must be a contiguous [N, K] tensor");
+  TORCH_CHECK(group_size >= 1, "group_size must be >= 1");
+  const int64_t rows = out.size(0), width = out.size(1);
+  const int64_t groups = (width + group_size - 1) / group_size;
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kInt &&
+                  packed.size(0) == rows && packed.size(1) == (width + 7) / 8,
+              "packed must be a contiguous [N, ceil(K / 8)] int32 tensor");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.numel() == rows * groups, "scales must be [N, ceil(K / g)] float32");
+  const bool has_zeros = zeros.has_value() && zeros->defined();
+  if (has_zeros) {
+    TORCH_CHECK(zeros->is_contiguous() && zeros->scalar_type() == at::kChar &&
+                    zeros->numel() == rows * groups, "zeros must be [N, ceil(K / g)] int8");
+  }
+  const int8_t* zero_data = has_zeros ? zeros->data_ptr<int8_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int4", [&] {
+    dequantize_int4_kernel<scalar_t>(packed, scales.data_ptr<float>(), zero_data, group_size,
+                                     groups, out);
+  });
+}
+
 // ---------------------------------------------------------------- greedy tokens
 
 // One row's (first index of its maximum, whether that maximum is finite and the row
@@ -1932,6 +2006,8 @@ TORCH_LIBRARY(loraplex_cpu, m) {
   m.def("quantize_rows_int8(Tensor x, Tensor? input_scales, Tensor(a!) out, Tensor(b!) scales) -> ()");
   m.def("dequantize_int32(Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias, "
         "Tensor(a!) out) -> ()");
+  m.def("dequantize_int4(Tensor packed, Tensor scales, Tensor? zeros, int group_size, "
+        "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
@@ -1945,4 +2021,5 @@ TORCH_LIBRARY_IMPL(loraplex_cpu, CPU, m) {
   m.impl("lora_add", &lora_add);
   m.impl("quantize_rows_int8", &quantize_rows_int8);
   m.impl("dequantize_int32", &dequantize_int32);
+  m.impl("dequantize_int4", &dequantize_int4);
 }

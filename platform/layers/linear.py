@@ -17,6 +17,7 @@ from torch import nn
 
 from loraplex.kernels.backends import KernelBackend
 from loraplex.kernels.cpu_matmul import PackedWeight, linear
+from loraplex.kernels.int4_matmul import Int4Weight, group_count, unpack_int4
 from loraplex.kernels.int8_matmul import Int8Weight
 from loraplex.kernels.lora import LoRABatch, LoRAStack
 from loraplex.platform.parallel.group import TPGroup
@@ -64,11 +65,16 @@ class MergedLinear(nn.Module):
         self.lora: LoRAStack | None = None
         self.lora_kernels: KernelBackend | None = None
         """The backend that allocated `lora` and adds its deltas."""
-        self.packed: PackedWeight | Int8Weight | None = None
+        self.packed: PackedWeight | Int8Weight | Int4Weight | None = None
         """oneDNN copy of `weight` (CPU), made by `pack` once the weights are loaded, or
-        its int8 form (`quantize`, or an int8 checkpoint's: `finish_int8_load`)."""
+        its int8 form (`quantize`, or an int8 checkpoint's: `finish_int8_load`), or an
+        int4 checkpoint's (`finish_int4_load`)."""
         self.int8_weight: torch.Tensor | None = None
         self.int8_scale: torch.Tensor | None = None
+        self.int4_packed: torch.Tensor | None = None
+        self.int4_scale: torch.Tensor | None = None
+        self.int4_zero: torch.Tensor | None = None
+        self.int4_group_size = 0
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -125,10 +131,60 @@ class MergedLinear(nn.Module):
         self.packed = Int8Weight(self.int8_weight, self.int8_scale, mode, native)
         self.int8_weight = self.int8_scale = None
 
+    def prepare_int4_load(self, group_size: int | None, symmetric: bool) -> None:
+        """Makes room for an int4 checkpoint's packed weight, scales and (unless
+        `symmetric`) zero points, `group_size` inputs a group (None: one per output
+        channel), loaded by `load_slice` as 'int4_packed', 'int4_scale', 'int4_zero'
+        (kernels/int4_matmul.py); `weight` keeps no values."""
+        size = group_size or self.in_features
+        groups = group_count(self.in_features, size)
+        device = self.weight.device
+        rows, words = self.out_features, -(-self.in_features // 8)
+        self.int4_packed = torch.empty(rows, words, dtype=torch.int32, device=device)
+        self.int4_scale = torch.empty(rows, groups, dtype=torch.float32, device=device)
+        self.int4_zero = (
+            None if symmetric else torch.empty(rows, groups, dtype=torch.int8, device=device)
+        )
+        self.int4_group_size = size
+        self.weight.data = self.weight.new_empty(0)
+
+    def finish_int4_load(self, native: bool) -> None:
+        """The loaded int4 weight becomes the projection's product, as stored, with
+        activations in the model's dtype (kernels/int4_matmul.py, CPU)."""
+        if self.int4_packed.device.type != "cpu":
+            raise ValueError(f"int4 projections run on a CPU, not {self.int4_packed.device}")
+        quantized = unpack_int4(self.int4_packed, self.in_features)
+        self.packed = Int4Weight(
+            quantized,
+            self.int4_scale,
+            self.int4_zero,
+            self.int4_group_size,
+            self.weight.dtype,
+            native,
+        )
+        self.int4_packed = self.int4_scale = self.int4_zero = None
+
     def _load_target(self, name: str) -> torch.Tensor | None:
         if name == "int8_scale":
             return None if self.int8_scale is None else self.int8_scale.unsqueeze(1)
-        return {"weight": self.weight, "bias": self.bias, "int8_weight": self.int8_weight}[name]
+        return {
+            "weight": self.weight,
+            "bias": self.bias,
+            "int8_weight": self.int8_weight,
+            "int4_packed": self.int4_packed,
+            "int4_scale": self.int4_scale,
+            "int4_zero": self.int4_zero,
+        }[name]
+
+    def _columns(self, name: str) -> int:
+        """Columns of the checkpoint tensor loaded as `name` (its rows: output channels)."""
+        if name == "int8_scale":
+            return 1
+        if name == "int4_packed":
+            return -(-self.in_features // 8)
+        if name in ("int4_scale", "int4_zero"):
+            return group_count(self.in_features, self.int4_group_size)
+        return self.in_features
 
     def enable_lora(self, max_loras: int, max_rank: int, backend: KernelBackend) -> LoRAStack:
         """Allocates this projection's zeroed adapter slots in `backend`'s layout."""
@@ -159,10 +215,20 @@ class MergedLinear(nn.Module):
             raise ValueError(f"{type(self).__name__} has no {name}")
         start, size = self.offsets[index], self.output_sizes[index]
         row_start = self.row_ranges[index][0]
-        columns = 1 if name == "int8_scale" else self.in_features
-        full = (self.full_sizes[index], columns)[: target.dim()]
+        what = f"{name} slice {index}"
+        if name == "int4_zero":
+            # packed along the output channels: [ceil(rows / 8), groups] int32, read whole
+            total = self.full_sizes[index]
+            full = (-(-total // 8), self._columns(name))
+            shape = tuple(tensor.get_shape())
+            if shape != full:
+                raise ValueError(f"shape mismatch for {what}: checkpoint {shape}, model {full}")
+            zeros = unpack_int4(tensor[(slice(None),)].t().contiguous(), total).t()
+            target[start : start + size].copy_(zeros[row_start : row_start + size])
+            return
+        full = (self.full_sizes[index], self._columns(name))[: target.dim()]
         rows = (slice(row_start, row_start + size),)
-        _copy_checked(target[start : start + size], tensor, full, rows, f"{name} slice {index}")
+        _copy_checked(target[start : start + size], tensor, full, rows, what)
 
     def extra_repr(self) -> str:
         ranges = (
@@ -233,6 +299,11 @@ class RowParallelLinear(MergedLinear):
 
     @torch.no_grad()
     def load_slice(self, index: int, name: str, tensor: CheckpointSlice) -> None:
+        if name.startswith("int4_"):
+            if self.col_range != (0, self.full_in_features):
+                raise ValueError("int4 checkpoints are not served under tensor parallelism")
+            super().load_slice(index, name, tensor)
+            return
         if name in ("bias", "int8_scale"):
             super().load_slice(index, name, tensor)
             return

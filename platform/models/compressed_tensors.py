@@ -1,23 +1,40 @@
 """Checkpoints already quantized in the compressed-tensors format (what llm-compressor
-writes and vLLM reads) that the engine serves: int8 weights per output channel,
-symmetric, on the decoder layers' Linear projections, stored as `<proj>.weight` (int8
-[out, in]) and `<proj>.weight_scale` ([out, 1]); the activations either quantized per
-token on the fly (W8A8, `input_activations` int8 dynamic per token) or not quantized
-(W8A16). The LM head stays unquantized (`ignore` lists it, and only it).
+writes and vLLM reads) that the engine serves, on the decoder layers' Linear
+projections (the LM head stays unquantized: `ignore` lists it, and only it):
+
+- int8 weights per output channel, symmetric (`int-quantized` / `naive-quantized`),
+  stored as `<proj>.weight` (int8 [out, in]) and `<proj>.weight_scale` ([out, 1]); the
+  activations either quantized per token on the fly (W8A8, `input_activations` int8
+  dynamic per token) or not quantized (W8A16);
+- int4 weights (`pack-quantized`, W4A16, what llm-compressor's GPTQ, AWQ and W4A16
+  round-to-nearest recipes write), per group of inputs or per output channel,
+  symmetric or with zero points, stored as `<proj>.weight_packed` (int32 [out, in / 8],
+  kernels/int4_matmul.py's `pack_int4` layout), `<proj>.weight_scale` ([out, groups]),
+  `<proj>.weight_zero_point` (asymmetric only: int32 [out / 8, groups], packed along
+  the output dimension) and `<proj>.weight_shape`; activations not quantized. Groups
+  in activation order (`actorder: group`, a `weight_g_idx` per input) are refused.
 
 `read_checkpoint_quantization(config)` reads config.json's `quantization_config` and
-names the int8 mode (kernels/int8_matmul.py) the projections run in, or raises
-ValueError naming the first field this engine cannot serve exactly.
+names the mode the projections run in (an int8 mode of kernels/int8_matmul.py, or
+INT4_MODE), or raises ValueError naming the first field this engine cannot serve
+exactly; `read_int4_scheme(config)` gives an int4 checkpoint's groups.
 `checkpoint_quantization_config(mode)` is the config a checkpoint of that mode carries
 (`loraplex quantize` writes it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 QUANT_METHOD = "compressed-tensors"
 FORMATS = ("int-quantized", "naive-quantized")
+"""The formats of int8 checkpoints."""
+INT4_FORMAT = "pack-quantized"
+INT4_MODE = "int4_weight_only"
+INT4_STRATEGIES = ("group", "channel")
+INT4_ACTORDERS = (None, "weight", "static")
+"""Activation orders that store the weight in its own order (no `weight_g_idx`)."""
 WEIGHT_ARGS = {
     "num_bits": 8,
     "type": "int",
@@ -38,9 +55,42 @@ ACTIVATION_ARGS = {
 quantizer chose the values)."""
 
 
+@dataclass(frozen=True)
+class Int4Scheme:
+    """An int4 checkpoint's weights: `group_size` inputs share a scale (and a zero
+    point unless `symmetric`); None: one group per output channel."""
+
+    group_size: int | None
+    symmetric: bool
+
+
 def read_checkpoint_quantization(config: dict[str, Any]) -> str | None:
-    """The int8 mode ('dynamic' for W8A8, 'weight_only' for W8A16) of a checkpoint's
-    config.json, None when it holds no `quantization_config`."""
+    """The mode of a checkpoint's config.json: 'dynamic' (W8A8) or 'weight_only' (W8A16)
+    int8, or INT4_MODE (W4A16); None when it holds no `quantization_config`."""
+    group = _config_group(config)
+    if group is None:
+        return None
+    if config["quantization_config"].get("format") == INT4_FORMAT:
+        _int4_weights(group)
+        return INT4_MODE
+    _check_args("weights", group.get("weights"), WEIGHT_ARGS)
+    activations = group.get("input_activations")
+    if activations is None:
+        return "weight_only"
+    _check_args("input_activations", activations, ACTIVATION_ARGS)
+    return "dynamic"
+
+
+def read_int4_scheme(config: dict[str, Any]) -> Int4Scheme:
+    """The groups of an int4 (INT4_MODE) checkpoint's config.json."""
+    group = _config_group(config)
+    if group is None or config["quantization_config"].get("format") != INT4_FORMAT:
+        raise ValueError(f"not an int4 ({INT4_FORMAT}) compressed-tensors checkpoint")
+    return _int4_weights(group)
+
+
+def _config_group(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The one config group of a served compressed-tensors `quantization_config`."""
     quantization = config.get("quantization_config")
     if quantization is None:
         return None
@@ -48,12 +98,12 @@ def read_checkpoint_quantization(config: dict[str, Any]) -> str | None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         raise ValueError(
             f"quantization_config quant_method {method!r} is not served; only "
-            f"{QUANT_METHOD!r} int8 checkpoints (W8A8, W8A16 per channel) are"
+            f"{QUANT_METHOD!r} checkpoints (int8 W8A8 and W8A16 per channel, int4 W4A16) are"
         )
-    if quantization.get("format") not in FORMATS:
+    if quantization.get("format") not in (*FORMATS, INT4_FORMAT):
         raise ValueError(
             f"compressed-tensors format {quantization.get('format')!r} is not served "
-            f"(need one of {FORMATS})"
+            f"(need one of {(*FORMATS, INT4_FORMAT)})"
         )
     if quantization.get("kv_cache_scheme") is not None:
         raise ValueError("compressed-tensors kv_cache_scheme is not served")
@@ -65,18 +115,40 @@ def read_checkpoint_quantization(config: dict[str, Any]) -> str | None:
         raise ValueError(f"config group targets {group.get('targets')!r}, need ['Linear']")
     if group.get("output_activations") is not None:
         raise ValueError("compressed-tensors output_activations are not served")
-    _check_args("weights", group.get("weights"), WEIGHT_ARGS)
     ignored = quantization.get("ignore") or []
     if ignored != ["lm_head"]:
         raise ValueError(
             f"compressed-tensors ignore={ignored!r} is not served: every decoder projection "
-            "is int8 and only lm_head stays unquantized (ignore: ['lm_head'])"
+            "is quantized and only lm_head stays unquantized (ignore: ['lm_head'])"
         )
-    activations = group.get("input_activations")
-    if activations is None:
-        return "weight_only"
-    _check_args("input_activations", activations, ACTIVATION_ARGS)
-    return "dynamic"
+    return group
+
+
+def _int4_weights(group: dict[str, Any]) -> Int4Scheme:
+    """The int4 scheme of a `pack-quantized` config group, checked."""
+    weights = group.get("weights")
+    _check_args("weights", weights, {"num_bits": 4, "type": "int", "dynamic": False})
+    strategy = weights.get("strategy")
+    if strategy not in INT4_STRATEGIES:
+        raise ValueError(
+            f"compressed-tensors weights.strategy={strategy!r} is not served for int4 "
+            f"(need one of {INT4_STRATEGIES})"
+        )
+    group_size = weights.get("group_size")
+    if strategy == "group" and not (isinstance(group_size, int) and group_size >= 1):
+        raise ValueError(f"compressed-tensors weights.group_size={group_size!r} is not served")
+    if weights.get("actorder") not in INT4_ACTORDERS:
+        raise ValueError(
+            f"compressed-tensors weights.actorder={weights.get('actorder')!r} is not served "
+            "(groups in activation order need a g_idx per input)"
+        )
+    if not isinstance(weights.get("symmetric"), bool):
+        raise ValueError(
+            f"compressed-tensors weights.symmetric={weights.get('symmetric')!r} is not served"
+        )
+    if group.get("input_activations") is not None:
+        raise ValueError("compressed-tensors int4 input_activations are not served (W4A16 only)")
+    return Int4Scheme(group_size if strategy == "group" else None, weights["symmetric"])
 
 
 def _check_args(where: str, args: Any, wanted: dict[str, Any]) -> None:
@@ -103,6 +175,34 @@ def checkpoint_quantization_config(mode: str) -> dict[str, Any]:
     return {
         "quant_method": QUANT_METHOD,
         "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
+def checkpoint_int4_config(scheme: Int4Scheme) -> dict[str, Any]:
+    """config.json's `quantization_config` of an int4 (W4A16) checkpoint of `scheme`."""
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": scheme.symmetric,
+        "strategy": "channel" if scheme.group_size is None else "group",
+        "group_size": scheme.group_size,
+        "dynamic": False,
+        "observer": "minmax",
+        "actorder": None,
+    }
+    group = {
+        "targets": ["Linear"],
+        "weights": weights,
+        "input_activations": None,
+        "output_activations": None,
+    }
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": INT4_FORMAT,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
         "ignore": ["lm_head"],

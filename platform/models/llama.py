@@ -28,6 +28,7 @@ from loraplex.platform.layers.attention import PagedAttention
 from loraplex.platform.layers.linear import MergedLinear, RowParallelLinear
 from loraplex.platform.layers.norm import RMSNorm
 from loraplex.platform.layers.rotary import RotaryEmbedding
+from loraplex.platform.models.compressed_tensors import Int4Scheme
 from loraplex.platform.models.weights import WeightTarget, load_checkpoint
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout, split
@@ -325,13 +326,16 @@ class LlamaForCausalLM(nn.Module):
         quantization: str | None = None,
         quantize_lm_head: bool = False,
         int8_checkpoint: bool = False,
+        int4_scheme: Int4Scheme | None = None,
     ) -> None:
         """Fills every parameter from the HF safetensors in `folder` (single or sharded),
         then prepacks the projections and the LM head for CPU matmuls where useful, or
         quantizes the projections (and with `quantize_lm_head` a copy of the LM head:
         a tied one stays the embedding table) to int8 in `quantization`'s mode. An
         `int8_checkpoint` (compressed-tensors, platform/models/compressed_tensors.py)
-        holds the projections' int8 weights and scales, which run as stored."""
+        holds the projections' int8 weights and scales, which run as stored; an int4
+        one (`int4_scheme`) its packed int4 weights, scales and zero points (W4A16,
+        kernels/int4_matmul.py), also as stored."""
         projections = [m for m in self.modules() if isinstance(m, MergedLinear)]
         ignored = ["lm_head.weight"] if self.arch.tie_word_embeddings else []
         targets = self.weight_targets()
@@ -340,11 +344,18 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare_int8_load()
             targets = _int8_targets(targets)
             ignored += [name + "_zero_point" for name in targets if name.endswith(".weight")]
+        if int4_scheme is not None:
+            for module in projections:
+                module.prepare_int4_load(int4_scheme.group_size, int4_scheme.symmetric)
+            ignored += _int4_ignored(targets, int4_scheme)
+            targets = _int4_targets(targets, int4_scheme)
         load_checkpoint(Path(folder), targets, ignored)
         native = self.kernels == "cpu"
         gains = self._smoothing_gains() if quantization == "dynamic" else {}
         for module in projections:
-            if int8_checkpoint:
+            if int4_scheme is not None:
+                module.finish_int4_load(native)
+            elif int8_checkpoint:
                 module.finish_int8_load(quantization, native)
             elif quantization is None:
                 module.pack()
@@ -368,6 +379,37 @@ class LlamaForCausalLM(nn.Module):
             gains[layer.self_attn.qkv_proj] = layer.input_layernorm.weight
             gains[layer.mlp.gate_up_proj] = layer.post_attention_layernorm.weight
         return gains
+
+
+def _int4_targets(targets: dict[str, WeightTarget], scheme: Int4Scheme) -> dict[str, WeightTarget]:
+    """`targets` for an int4 checkpoint: each decoder projection's `.weight` is held as
+    `.weight_packed` ('int4_packed'), `.weight_scale` ('int4_scale') and, with zero
+    points, `.weight_zero_point` ('int4_zero')."""
+    result: dict[str, WeightTarget] = {}
+    for name, target in targets.items():
+        if target.attr == "weight" and isinstance(target.module, MergedLinear):
+            stem = name.removesuffix(".weight")
+            result[stem + ".weight_packed"] = dataclasses.replace(target, attr="int4_packed")
+            result[stem + ".weight_scale"] = dataclasses.replace(target, attr="int4_scale")
+            if not scheme.symmetric:
+                result[stem + ".weight_zero_point"] = dataclasses.replace(target, attr="int4_zero")
+        else:
+            result[name] = target
+    return result
+
+
+def _int4_ignored(targets: dict[str, WeightTarget], scheme: Int4Scheme) -> list[str]:
+    """An int4 checkpoint's tensors the engine does not read: each projection's
+    `.weight_shape` (its shape is the model's, checked through the packed weight) and,
+    symmetric, the zero points some writers store anyway (all zero)."""
+    ignored: list[str] = []
+    for name, target in targets.items():
+        if target.attr == "weight" and isinstance(target.module, MergedLinear):
+            stem = name.removesuffix(".weight")
+            ignored.append(stem + ".weight_shape")
+            if scheme.symmetric:
+                ignored.append(stem + ".weight_zero_point")
+    return ignored
 
 
 def _int8_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:

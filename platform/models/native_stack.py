@@ -29,6 +29,7 @@ from loraplex.kernels.decoder_stack import (
     StackWeights,
     decoder_stack,
 )
+from loraplex.kernels.int4_matmul import Int4Weight
 from loraplex.kernels.int8_matmul import Int8Weight
 from loraplex.kernels.lora import LoRABatch
 from loraplex.platform.layers.linear import MergedLinear
@@ -59,7 +60,10 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
         return f"the {model.kernels!r} kernel backend"
     if model.layout.sharded or model.group.size > 1:
         return "tensor parallelism"
-    kind = _projection_kind(_projections(model))
+    projections = _projections(model)
+    if any(isinstance(p.packed, Int4Weight) for p in projections):
+        return "int4 projections"
+    kind = _projection_kind(projections)
     if kind is None:
         return "projections of different kinds"
     if kind == "plain" and cpu_lacks_half_matmul(model.dtype):

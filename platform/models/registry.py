@@ -9,7 +9,11 @@ import torch
 from torch import nn
 
 from loraplex.platform.arch import ModelArch
-from loraplex.platform.models.compressed_tensors import read_checkpoint_quantization
+from loraplex.platform.models.compressed_tensors import (
+    INT4_MODE,
+    read_checkpoint_quantization,
+    read_int4_scheme,
+)
 from loraplex.platform.models.llama import LlamaForCausalLM
 from loraplex.platform.parallel.group import TPGroup
 from loraplex.platform.parallel.layout import TPLayout
@@ -52,9 +56,15 @@ def load_model(
     group = group or TPGroup.single()
     layout = TPLayout.create(arch, rank, group.size)
     model = model_class_for(arch.architecture)(arch, dtype, device, kernels, layout, group)
-    checkpoint_mode = read_checkpoint_quantization(
-        json.loads((Path(folder) / "config.json").read_text())
-    )
+    config = json.loads((Path(folder) / "config.json").read_text())
+    checkpoint_mode = read_checkpoint_quantization(config)
+    if checkpoint_mode == INT4_MODE:
+        if quantization is not None or quantize_lm_head:
+            raise ValueError(
+                "an int4 checkpoint runs as stored: leave quantization and quantize_lm_head unset"
+            )
+        model.load_weights(folder, int4_scheme=read_int4_scheme(config))
+        return model.eval(), arch
     model.load_weights(
         folder, quantization or checkpoint_mode, quantize_lm_head, checkpoint_mode is not None
     )

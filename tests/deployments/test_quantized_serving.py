@@ -1,9 +1,9 @@
-"""An int8 compressed-tensors checkpoint written by `loraplex quantize` served by a real
-Serve app (an app of its own beside the session's, under /int8) with a shared PEFT
-adapter, through the official OpenAI SDK: the base model's and the adapter's prompt
-logprobs stay within the tolerance of transformers + PEFT on the checkpoint's
-dequantized weights, streamed completions run, and the replica reports the model as
-int8."""
+"""Compressed-tensors checkpoints written by `loraplex quantize`, int8 W8A8 and int4
+W4A16 (groups of 32 with zero points), each served by a real Serve app (an app of its
+own beside the session's, under /int8 or /int4) with a shared PEFT adapter, through
+the official OpenAI SDK: the base model's and the adapter's prompt logprobs stay within
+the tolerance of transformers + PEFT on the checkpoint's dequantized weights, and
+streamed completions run."""
 
 from __future__ import annotations
 
@@ -16,23 +16,30 @@ import torch
 from loraplex.deployments.tenants import hash_key
 from loraplex.tools.quantize import quantize_folder
 
-APP, PREFIX = "int8", "/int8"
-KEY = "sk-int8-test"
+KEY = "sk-quantized-test"
 MAX_LOGPROB_ERROR = 0.06
 
 
-@pytest.fixture(scope="module")
-def int8_app(serve_setup, tmp_path_factory):
-    """(the app's base URL, the checkpoint folder); removed after the module."""
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized_app(request, serve_setup, tmp_path_factory):
+    """(the app's base URL, its model name, the checkpoint folder); removed after it."""
     from ray import serve
 
     from loraplex.deployments.app import build_app
 
-    folder = quantize_folder(serve_setup.base, tmp_path_factory.mktemp("int8") / "tiny-w8a8")
+    kind = request.param
+    root = tmp_path_factory.mktemp(kind)
+    if kind == "int8":
+        folder = quantize_folder(serve_setup.base, root / "tiny-w8a8")
+    else:
+        folder = quantize_folder(
+            serve_setup.base, root / "tiny-w4a16", "W4A16", group_size=32, symmetric=False
+        )
+    name = f"tiny-{kind}"
     config = {
         "models": [
             {
-                "name": "tiny-int8",
+                "name": name,
                 "model": str(folder),
                 "engine": {
                     "dtype": "float32",
@@ -47,19 +54,19 @@ def int8_app(serve_setup, tmp_path_factory):
         "ingress": {"num_cpus": 0.05},
         "tenants": [{"name": "t", "api_key_sha256": [hash_key(KEY)], "shared_adapters": ["*:*"]}],
     }
-    serve.run(build_app(config), name=APP, route_prefix=PREFIX)
-    yield f"{serve_setup.url}{PREFIX}", folder
-    serve.delete(APP)
+    serve.run(build_app(config), name=kind, route_prefix=f"/{kind}")
+    yield f"{serve_setup.url}/{kind}", name, folder
+    serve.delete(kind)
 
 
-def test_an_int8_checkpoint_serves_base_and_adapter_within_tolerance(
-    int8_app, serve_setup, int8_checkpoint_oracle, hf_prompt_logprobs
+def test_a_quantized_checkpoint_serves_base_and_adapter_within_tolerance(
+    quantized_app, serve_setup, quantized_checkpoint_oracle, hf_prompt_logprobs
 ):
-    url, folder = int8_app
+    url, name, folder = quantized_app
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
     rng = random.Random(4)
     prompt = [rng.randrange(512) for _ in range(24)]
-    for model, adapter in (("tiny-int8", None), ("tiny-int8:sa", serve_setup.shared["sa"])):
+    for model, adapter in ((name, None), (f"{name}:sa", serve_setup.shared["sa"])):
         reply = client.completions.create(
             model=model,
             prompt=prompt,
@@ -74,10 +81,10 @@ def test_an_int8_checkpoint_serves_base_and_adapter_within_tolerance(
                 for entry, token in zip(scored[1:], prompt[1:], strict=True)
             ]
         )
-        want = hf_prompt_logprobs(int8_checkpoint_oracle(folder, adapter), prompt)
+        want = hf_prompt_logprobs(quantized_checkpoint_oracle(folder, adapter), prompt)
         assert (got - want).abs().max().item() < MAX_LOGPROB_ERROR, model
         assert reply.usage.completion_tokens == 4
     chunks = client.completions.create(
-        model="tiny-int8:sa", prompt="w1 w2 w3", max_tokens=6, temperature=0, stream=True
+        model=f"{name}:sa", prompt="w1 w2 w3", max_tokens=6, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices).strip()

@@ -235,6 +235,13 @@ COMMANDS = (
     CommandRule(("loraplex", "bench", "offline"), ENGINE, REDUCED, "tiny model, 2 x 16 -> 4"),
     CommandRule(("loraplex", "probe", "dtype"), ENGINE, REDUCED, "tiny model"),
     CommandRule(
+        ("loraplex", "quantize"),
+        NOWHERE,
+        PARSED,
+        "writes a checkpoint of the default model; tests/tools/test_quantize.py runs the "
+        "same command on the tiny model",
+    ),
+    CommandRule(
         ("loraplex", "bench", "serve"), APP, REDUCED, "the session's app, 4 prompts, 8 -> 4"
     ),
     CommandRule(

@@ -15,8 +15,9 @@ backend calls it, in the same order, so the result is that loop's bit for bit):
 
 where each projection is x @ W.T + b plus, when the step has adapters, each token's
 LoRA delta (cpu_ops.lora_add over that projection's slots). The product is oneDNN's
-prepacked linear, F.linear, or an int8 one as `Int8Weight` computes it
-(kernels/int8_matmul.py: W8A8 at every batch, or weight-only in bf16).
+prepacked linear, F.linear, an int8 one as `Int8Weight` computes it
+(kernels/int8_matmul.py: W8A8 at every batch, or weight-only in bf16), or an int4 one
+as `Int4Weight` does (kernels/int4_matmul.py).
 
 Shapes: hidden [T, hidden] contiguous (the embedded tokens); cos / sin [T, Dh/2];
 kv_caches [L] of [2, N, Hkv, B, Dh]; the first `num_decodes` tokens are decodes with
@@ -31,11 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.kernels import cpu_ops
+from loraplex.kernels.int4_matmul import INT4_GEMV_ROWS
 from loraplex.kernels.int8_matmul import DYNAMIC_MIN_ROWS
 
 PROJECTIONS_PER_LAYER = 4
 """qkv, o, gate_up, down: the order of the projections within a layer."""
-PROJECTION_KINDS = ("packed", "plain", "int8_dynamic", "int8_weight_only")
+PROJECTION_KINDS = ("packed", "plain", "int8_dynamic", "int8_weight_only", "int4")
 """How the projections multiply; see `StackWeights.weights`."""
 
 
@@ -53,7 +55,9 @@ class StackWeights:
     ('int8_dynamic'; else empty), its per-channel scales [out] in fp32 and bf16,
     `int8_matmul.pack_vnni(q)`'s two tensors ('int8_dynamic' on a CPU with VNNI; else
     empty) and the activations' input scales [in] (`Int8Weight.input_scales`; else
-    empty)."""
+    empty); 'int4': [24L], per projection `Int4Weight`'s torch packing and its scales
+    and zeros (empty where it has none), its packed values, scales and zero points (else
+    empty), and int64 [out, in, group size, torch's group size, torch's padded in]."""
     biases: list[torch.Tensor | None]
     head_shape: tuple[int, int, int]
     """(query heads, kv heads, head dim)."""
@@ -114,7 +118,7 @@ def decoder_stack(
         layers.weights,
         layers.biases,
         layers.projection,
-        DYNAMIC_MIN_ROWS,
+        INT4_GEMV_ROWS if layers.projection == "int4" else DYNAMIC_MIN_ROWS,
         kv_caches,
         attention.slot_mapping,
         attention.num_decodes,

@@ -7,7 +7,8 @@
 // Python path's bit for bit and the step pays one Python call for all layers.
 //
 // It holds no kernels of its own: the projections go to oneDNN's prepacked linear,
-// at::linear, or the int8 products of kernels/int8_matmul.py; everything else to the
+// at::linear, the int8 products of kernels/int8_matmul.py or the int4 ones of
+// kernels/int4_matmul.py; everything else to the
 // loraplex_cpu ops of cpu_ops.cpp, reached through the dispatcher by typed handles
 // looked up once.
 
@@ -39,6 +40,8 @@ using Int8RowsFn = void(const Tensor&, const std::optional<Tensor>&, const Tenso
                         const Tensor&, const std::optional<Tensor>&, Tensor);
 using DequantizeFn = void(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                           Tensor&);
+using DequantizeInt4Fn = void(const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t,
+                               Tensor);
 using PackedLinearFn = Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
                               std::string_view, c10::List<std::optional<at::Scalar>>,
                               std::optional<std::string_view>);
@@ -67,6 +70,8 @@ struct Ops {
       typed_op<Int8RowsFn>("loraplex_cpu::int8_linear_rows");
   c10::TypedOperatorHandle<DequantizeFn> dequantize =
       typed_op<DequantizeFn>("loraplex_cpu::dequantize_int32");
+  c10::TypedOperatorHandle<DequantizeInt4Fn> dequantize_int4 =
+      typed_op<DequantizeInt4Fn>("loraplex_cpu::dequantize_int4");
   c10::TypedOperatorHandle<PackedLinearFn> packed_linear =
       typed_op<PackedLinearFn>("mkldnn::_linear_pointwise");
 
@@ -96,8 +101,9 @@ struct StepInputs {
 // The model's projections in the order of `weights`: per layer qkv, o, gate_up, down.
 constexpr int64_t kProjections = 4;
 
-// How the projections multiply (kernels/cpu_matmul.py, kernels/int8_matmul.py).
-enum class Projection { kPacked, kPlain, kInt8Dynamic, kInt8WeightOnly };
+// How the projections multiply (kernels/cpu_matmul.py, kernels/int8_matmul.py,
+// kernels/int4_matmul.py).
+enum class Projection { kPacked, kPlain, kInt8Dynamic, kInt8WeightOnly, kInt4 };
 
 // Tensors per projection in `weights`: W; or for int8, q [out, in] (weight-only; else
 // empty), q.T [in, out] (dynamic; else empty), scale [out] fp32, scale [out] bf16, the
@@ -105,10 +111,29 @@ enum class Projection { kPacked, kPlain, kInt8Dynamic, kInt8WeightOnly };
 // activations' per-channel input scales [in] (dynamic with smoothing; else empty).
 constexpr int64_t kInt8Tensors = 7;
 
+// Tensors per projection for int4: torch's int4 packing and its scales and zeros (where
+// torch's kernel takes the group size; else empty), the int4 values packed eight to an
+// int32 [out, in / 8], scales [out, groups] fp32, zero points [out, groups] int8 (else
+// empty), and int64 [out, in, group size, torch's group size, torch's padded in].
+constexpr int64_t kInt4Tensors = 6;
+
+int64_t tensors_per_projection(Projection kind) {
+  switch (kind) {
+    case Projection::kInt8Dynamic:
+    case Projection::kInt8WeightOnly:
+      return kInt8Tensors;
+    case Projection::kInt4:
+      return kInt4Tensors;
+    default:
+      return 1;
+  }
+}
+
 Projection parse_projection(std::string_view name) {
   if (name == "packed") return Projection::kPacked;
   if (name == "plain") return Projection::kPlain;
   if (name == "int8_dynamic") return Projection::kInt8Dynamic;
+  if (name == "int4") return Projection::kInt4;
   TORCH_CHECK(name == "int8_weight_only", "unknown projection kind ", name);
   return Projection::kInt8WeightOnly;
 }
@@ -117,10 +142,10 @@ class Stack {
  public:
   Stack(const Ops& ops, const StepInputs& in, at::TensorList weights,
         const c10::List<std::optional<Tensor>>& biases, Projection kind,
-        int64_t dynamic_min_rows, at::TensorList lora_a, at::TensorList lora_b,
+        int64_t row_bound, at::TensorList lora_a, at::TensorList lora_b,
         at::IntArrayRef lora_slices, at::IntArrayRef lora_slice_ends)
       : ops_(ops), in_(in), weights_(weights), biases_(biases), kind_(kind),
-        dynamic_min_rows_(dynamic_min_rows), lora_a_(lora_a), lora_b_(lora_b) {
+        row_bound_(row_bound), lora_a_(lora_a), lora_b_(lora_b) {
     size_t offset = 0;
     for (int64_t kind_index = 0; kind_index < static_cast<int64_t>(lora_slices.size());
          ++kind_index) {
@@ -140,13 +165,38 @@ class Stack {
                                        std::string_view(""));
       case Projection::kPlain:
         return at::linear(x, weights_[index], bias);
+      case Projection::kInt4:
+        return int4_linear(&weights_[index * kInt4Tensors], x, bias);
       default:
         return int8_linear(&weights_[index * kInt8Tensors], x, bias);
     }
   }
 
+  // Int4Weight.__call__: torch's int4 kernel up to `row_bound` rows where it takes the
+  // group size (inputs padded to its groups, output channels cut back from 16s), else
+  // the weight dequantized to x's dtype and a float matmul.
+  Tensor int4_linear(const Tensor* w, const Tensor& x, const std::optional<Tensor>& bias) const {
+    const int64_t* meta = w[5].data_ptr<int64_t>();
+    const int64_t out_features = meta[0], in_features = meta[1], group_size = meta[2];
+    if (w[0].numel() > 0 && x.size(0) <= row_bound_) {
+      const Tensor padded = at::constant_pad_nd(x, {0, meta[4] - in_features}).contiguous();
+      Tensor out = at::_weight_int4pack_mm_for_cpu(padded, w[0], meta[3], w[1]);
+      if (out.size(1) != out_features) {
+        out = out.narrow(1, 0, out_features).contiguous();
+      }
+      if (bias.has_value()) {
+        out += *bias;
+      }
+      return out;
+    }
+    Tensor weight = at::empty({out_features, in_features}, x.options());
+    const std::optional<Tensor> zeros = w[4].numel() > 0 ? std::optional<Tensor>(w[4]) : std::nullopt;
+    ops_.dequantize_int4.call(w[2], w[3], zeros, group_size, weight);
+    return at::linear(x, weight, bias);
+  }
+
   // Int8Weight.__call__ with the native ops: W8A8 at every batch (the VNNI kernel where
-  // packed, else torch's int8 matmul, rows padded up past `dynamic_min_rows`), or the
+  // packed, else torch's int8 matmul, rows padded up past `row_bound`), or the
   // weight-only product with bf16 activations.
   Tensor int8_linear(const Tensor* w, const Tensor& x, const std::optional<Tensor>& bias) const {
     if (kind_ == Projection::kInt8Dynamic) {
@@ -162,7 +212,7 @@ class Stack {
       Tensor quantized = at::empty(xc.sizes(), xc.options().dtype(at::kChar));
       Tensor row_scales = at::empty({rows, 1}, xc.options().dtype(at::kFloat));
       ops_.quantize_rows.call(xc, input_scales, quantized, row_scales);
-      const int64_t padding = std::max<int64_t>(0, dynamic_min_rows_ + 1 - rows);
+      const int64_t padding = std::max<int64_t>(0, row_bound_ + 1 - rows);
       const Tensor padded =
           padding > 0 ? at::constant_pad_nd(quantized, {0, 0, 0, padding}) : quantized;
       const Tensor acc = at::_int_mm(padded, w[1]).narrow(0, 0, rows).contiguous();
@@ -240,7 +290,7 @@ class Stack {
   at::TensorList weights_;
   const c10::List<std::optional<Tensor>>& biases_;
   Projection kind_;
-  int64_t dynamic_min_rows_;
+  int64_t row_bound_;
   at::TensorList lora_a_, lora_b_;
   std::array<at::IntArrayRef, kProjections> lora_slice_ends_;
 };
@@ -261,8 +311,10 @@ class Stack {
 // lora_a[i], lora_b[i] and kind i % 4's slice ends when token_slots is not empty), multiplied as
 // `projection` says: "packed" (weights [4L] prepacked by oneDNN), "plain" ([4L] of
 // [out, in]), "int8_dynamic" / "int8_weight_only" (weights [28L]: per projection the
-// six tensors of kInt8Tensors; the dynamic product runs the VNNI kernel where packed,
-// else pads to more than `dynamic_min_rows` rows, as kernels/int8_matmul.py).
+// seven tensors of kInt8Tensors; the dynamic product runs the VNNI kernel where packed,
+// else pads to more than `row_bound` rows, as kernels/int8_matmul.py) or "int4"
+// ([24L]: per projection the six tensors of kInt4Tensors; torch's int4 kernel up to
+// `row_bound` rows, as kernels/int4_matmul.py).
 // hidden [T, hidden] (the embedded tokens); cos / sin [T, Dh/2]; norm_weights [2L + 1];
 // biases [4L] (None: no bias); kv_caches [L] of [2, N, Hkv, B, Dh]; slot_mapping [T] int64; the first
 // num_decodes tokens are decodes, each with its block table row and key count ([D, W],
@@ -274,7 +326,7 @@ class Stack {
 Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
                      at::TensorList norm_weights, at::TensorList weights,
                      const c10::List<std::optional<Tensor>>& biases,
-                     std::string_view projection, int64_t dynamic_min_rows,
+                     std::string_view projection, int64_t row_bound,
                      at::TensorList kv_caches, const Tensor& slot_mapping, int64_t num_decodes,
                      const Tensor& decode_tables, const Tensor& decode_lens,
                      const Tensor& prefill_tables, const Tensor& prefill_query_lens,
@@ -287,9 +339,8 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
   TORCH_CHECK(static_cast<int64_t>(norm_weights.size()) == 2 * layers + 1,
               "norm_weights: two per layer and the final norm");
   const Projection kind = parse_projection(projection);
-  const bool int8 = kind == Projection::kInt8Dynamic || kind == Projection::kInt8WeightOnly;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) ==
-                      kProjections * layers * (int8 ? kInt8Tensors : 1) &&
+                      kProjections * layers * tensors_per_projection(kind) &&
                   static_cast<int64_t>(biases.size()) == kProjections * layers,
               "weights / biases: four projections per layer");
   TORCH_CHECK(lora_a.size() == lora_b.size(), "lora_a / lora_b: as many of each");
@@ -326,7 +377,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
                       eps,
                       scale};
   const Ops& ops = Ops::get();
-  const Stack stack(ops, in, weights, biases, kind, dynamic_min_rows, lora_a, lora_b,
+  const Stack stack(ops, in, weights, biases, kind, row_bound, lora_a, lora_b,
                     lora_slices, lora_slice_ends);
   Tensor x = hidden;
   Tensor residual;
@@ -344,7 +395,7 @@ Tensor decoder_stack(const Tensor& hidden, const Tensor& cos, const Tensor& sin,
 
 TORCH_LIBRARY_FRAGMENT(loraplex_cpu, m) {
   m.def("decoder_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norm_weights, "
-        "Tensor[] weights, Tensor?[] biases, str projection, int dynamic_min_rows, "
+        "Tensor[] weights, Tensor?[] biases, str projection, int row_bound, "
         "Tensor(a!)[] kv_caches, "
         "Tensor slot_mapping, int num_decodes, Tensor decode_tables, Tensor decode_lens, "
         "Tensor prefill_tables, Tensor prefill_query_lens, Tensor prefill_seq_lens, "

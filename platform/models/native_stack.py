@@ -41,6 +41,7 @@ _EMPTY_LENS = torch.empty(0, dtype=torch.int64)
 _EMPTY_INT8 = torch.empty(0, 0, dtype=torch.int8)
 _EMPTY_INT32 = torch.empty(0, dtype=torch.int32)
 _EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+_EMPTY_UINT8 = torch.empty(0, 0, dtype=torch.uint8)
 
 
 def _projections(model: LlamaForCausalLM) -> list[MergedLinear]:
@@ -60,10 +61,7 @@ def unsupported_reason(model: LlamaForCausalLM) -> str | None:
         return f"the {model.kernels!r} kernel backend"
     if model.layout.sharded or model.group.size > 1:
         return "tensor parallelism"
-    projections = _projections(model)
-    if any(isinstance(p.packed, Int4Weight) for p in projections):
-        return "int4 projections"
-    kind = _projection_kind(projections)
+    kind = _projection_kind(_projections(model))
     if kind is None:
         return "projections of different kinds"
     if kind == "plain" and cpu_lacks_half_matmul(model.dtype):
@@ -88,6 +86,8 @@ def _projection_kind(projections: list[MergedLinear]) -> str | None:
         modes = {p.mode for p in products}
         if len(modes) == 1:
             return f"int8_{modes.pop()}"
+    if all(isinstance(p, Int4Weight) and p.native for p in products):
+        return "int4"
     return None
 
 
@@ -97,6 +97,8 @@ def _weights(kind: str, projections: list[MergedLinear]) -> list[torch.Tensor]:
         return [p.packed.packed for p in projections]
     if kind == "plain":
         return [p.weight for p in projections]
+    if kind == "int4":
+        return [tensor for p in projections for tensor in _int4_tensors(p.packed)]
     weights: list[torch.Tensor] = []
     for p in projections:
         int8 = p.packed
@@ -109,6 +111,21 @@ def _weights(kind: str, projections: list[MergedLinear]) -> list[torch.Tensor]:
             weights += [int8.quantized, _EMPTY_INT8, int8.scale, int8.scale_bf16]
             weights += [_EMPTY_INT8, _EMPTY_INT32, _EMPTY_F32]
     return weights
+
+
+def _int4_tensors(int4: Int4Weight) -> list[torch.Tensor]:
+    """One int4 projection's six tensors of `StackWeights.weights`."""
+    gemv = int4.gemv
+    meta = [int4.out_features, int4.in_features, int4.group_size]
+    meta += [gemv.group_size, gemv.padded_in] if gemv is not None else [0, 0]
+    return [
+        gemv.packed if gemv is not None else _EMPTY_UINT8,
+        gemv.scales_and_zeros if gemv is not None else _EMPTY_F32,
+        int4.packed,
+        int4.scale,
+        int4.zero if int4.zero is not None else _EMPTY_INT8,
+        torch.tensor(meta, dtype=torch.int64),
+    ]
 
 
 class NativeDecoderStack:

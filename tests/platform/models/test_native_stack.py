@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from loraplex.kernels.cpu_matmul import cpu_lacks_half_matmul
+from loraplex.kernels.int4_matmul import INT4_GEMV_ROWS, Int4Weight
 from loraplex.kernels.int8_matmul import DYNAMIC_MIN_ROWS, VNNI_WIDE_ROWS
 from loraplex.kernels.selection import KERNEL_BACKEND_ENV
 from loraplex.platform.llm import LLM
 from loraplex.platform.models.native_stack import NativeDecoderStack, unsupported_reason
 from loraplex.platform.request import SamplingParams
+from loraplex.tools.quantize import quantize_folder
 
 ADAPTERS = {
     "attn4": dict(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "o_proj"), seed=21),
@@ -120,6 +122,32 @@ def test_int8_stack_equals_the_python_loop(adapters_for, quantization):
     assert max(rows) > DYNAMIC_MIN_ROWS and min(rows) < VNNI_WIDE_ROWS, (
         "both int8 products (torch's, padded and not; the VNNI kernel's two tile shapes) ran"
     )
+
+
+@pytest.mark.parametrize(
+    ("group_size", "symmetric"), [(32, False), (48, True)], ids=["torch-kernel", "dequantize-only"]
+)
+def test_int4_stack_equals_the_python_loop(adapters_for, tmp_path, group_size, symmetric):
+    """An int4 checkpoint (kernels/int4_matmul.py) runs in the stack, bit for bit the
+    Python loop's answers with adapters: torch's int4 kernel for steps up to
+    INT4_GEMV_ROWS rows and dequantize + matmul past them (groups of 32, with zero
+    points), or dequantize + matmul only (groups of 48, which torch's kernel cannot
+    take)."""
+    base, folders = adapters_for("llama")
+    folder = quantize_folder(base, tmp_path / "w4", "W4A16", group_size, symmetric)
+    native = build(folder, folders, "bfloat16", enforce_eager=False)
+    model = native.engine.runner.model
+    assert model.native_stack is not None
+    projection = model.layers[0].mlp.down_proj.packed
+    assert isinstance(projection, Int4Weight)
+    assert (projection.gemv is not None) == (group_size == 32)
+    rows = []
+    stack = model.native_stack
+    model.native_stack = lambda *args: rows.append(args[0].shape[0]) or stack(*args)
+    got = generate(native)
+    want = generate(build(folder, folders, "bfloat16", True))
+    assert got == want
+    assert max(rows) > INT4_GEMV_ROWS >= min(rows), "both int4 products ran"
 
 
 def test_where_the_python_loop_stays(tiny_model_factory, monkeypatch):

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -54,6 +55,15 @@ QUANTIZATIONS = {"int8": "dynamic", "int8_weight_only": "weight_only"}
 """`quantization` option -> the int8 projections' mode (kernels/int8_matmul.py)."""
 
 
+def _quantized_folder(model: str) -> bool:
+    """Whether `model` is a folder whose config.json carries a `quantization_config`."""
+    config = Path(model) / "config.json"
+    try:
+        return config.is_file() and "quantization_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to run and how.
@@ -77,7 +87,9 @@ class ModelConfig:
     dynamic); 'int8_weight_only' keeps the activations in bf16. The embedding table
     and LoRA adapters stay in `dtype` (kernels/int8_matmul.py), and so does the LM head
     unless `quantize_lm_head` (a batch-1 decode step reads it whole: a sixth of the
-    default model's weights).
+    default model's weights). A quantized checkpoint (platform/models/compressed_tensors.py)
+    runs as stored; `quantize_lm_head` puts its LM head in int8 too (W8A8 for an int4
+    one).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -91,9 +103,14 @@ class ModelConfig:
     quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
-        if self.quantize_lm_head and self.quantization is None:
+        if (
+            self.quantize_lm_head
+            and self.quantization is None
+            and not _quantized_folder(self.model)
+        ):
             raise ValueError(
-                f"quantize_lm_head needs a quantization (one of {tuple(QUANTIZATIONS)})"
+                f"quantize_lm_head needs a quantization (one of {tuple(QUANTIZATIONS)}) or a "
+                "quantized checkpoint"
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(

@@ -49,9 +49,10 @@ def load_model(
     layer kernels (rank `rank`'s shard when `group` spans several ranks) and loads its
     safetensors weights, its projections quantized to int8 in `quantization`'s mode
     (an int8 compressed-tensors checkpoint's stored int8 weights, in its own mode
-    unless `quantization` names another)
-    (kernels/int8_matmul.py; None: none), the LM head too with `quantize_lm_head`;
-    returns (model in eval mode, arch)."""
+    unless `quantization` names another; an int4 one's as stored, `quantization`
+    unset)
+    (kernels/int8_matmul.py; None: none), the LM head too with `quantize_lm_head` (W8A8
+    over an int4 checkpoint); returns (model in eval mode, arch)."""
     arch = ModelArch.from_folder(folder)
     group = group or TPGroup.single()
     layout = TPLayout.create(arch, rank, group.size)
@@ -59,11 +60,13 @@ def load_model(
     config = json.loads((Path(folder) / "config.json").read_text())
     checkpoint_mode = read_checkpoint_quantization(config)
     if checkpoint_mode == INT4_MODE:
-        if quantization is not None or quantize_lm_head:
-            raise ValueError(
-                "an int4 checkpoint runs as stored: leave quantization and quantize_lm_head unset"
-            )
-        model.load_weights(folder, int4_scheme=read_int4_scheme(config))
+        if quantization is not None:
+            raise ValueError("an int4 checkpoint runs as stored: leave quantization unset")
+        # with quantize_lm_head its LM head runs W8A8 (int8_matmul's 'dynamic' mode)
+        head_mode = "dynamic" if quantize_lm_head else None
+        model.load_weights(
+            folder, head_mode, quantize_lm_head, int4_scheme=read_int4_scheme(config)
+        )
         return model.eval(), arch
     model.load_weights(
         folder, quantization or checkpoint_mode, quantize_lm_head, checkpoint_mode is not None

@@ -218,3 +218,30 @@ def test_what_an_int4_checkpoint_cannot_be_served_with_is_refused(checkpoints, e
 def test_an_int4_checkpoint_runs_as_stored(checkpoints):
     with pytest.raises(ValueError, match="int4 checkpoint runs as stored"):
         LLM(str(checkpoints["W4A16-g32"]), dtype="float32", quantization="int8")
+
+
+def test_an_int4_checkpoint_takes_an_int8_lm_head(
+    checkpoints,
+    tmp_path,
+    peft_adapter_factory,
+    base,
+    quantized_checkpoint_oracle,
+    hf_prompt_logprobs,
+):
+    """`quantize_lm_head` over an int4 checkpoint: the LM head runs W8A8 (its tied
+    embedding table stays as it was), base and adapter answers within the tolerance."""
+    folder = checkpoints["W4A16-g48-zero-points"]
+    adapter = peft_adapter_factory(base, tmp_path / "qv", target_modules=("q_proj", "v_proj"))
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, quantize_lm_head=True)
+    model = llm.engine.runner.model
+    assert isinstance(model.packed_lm_head, Int8Weight) and model.packed_lm_head.mode == "dynamic"
+    llm.register_adapter("qv", str(adapter))
+    rng = random.Random(2)
+    prompts = [[rng.randrange(512) for _ in range(20)] for _ in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate(prompts, params, adapters=[None, "qv"])
+    oracles = [quantized_checkpoint_oracle(folder), quantized_checkpoint_oracle(folder, adapter)]
+    for prompt, output, oracle in zip(prompts, outputs, oracles, strict=True):
+        want = hf_prompt_logprobs(oracle, prompt)
+        got = torch.tensor([entry.logprob for entry in output.prompt_logprobs[1:]])
+        assert (got - want).abs().max().item() < MAX_LOGPROB_ERROR

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_ops
+from loraplex.kernels.int_packing import pack_ints, unpack_ints
 
 INT4_GEMV_ROWS = 16
 """Up to this many rows torch's int4 kernel multiplies (it reads half a byte per weight,
@@ -46,23 +47,12 @@ TORCH_CHANNEL_MULTIPLE = 16
 
 def pack_int4(quantized: torch.Tensor) -> torch.Tensor:
     """q [R, C] int8 in [-8, 7] -> int32 [R, ceil(C / 8)] (see the module docstring)."""
-    if quantized.dtype != torch.int8 or quantized.dim() != 2:
-        raise ValueError("pack_int4 takes a 2-D int8 tensor")
-    if quantized.numel() and (int(quantized.min()) < -8 or int(quantized.max()) > 7):
-        raise ValueError("int4 values must lie in [-8, 7]")
-    rows, cols = quantized.shape
-    padded = F.pad(quantized.to(torch.int32) + 8, (0, -cols % 8))
-    shifts = torch.arange(8, dtype=torch.int32) * 4
-    return (padded.view(rows, -1, 8) << shifts).sum(dim=2, dtype=torch.int32).contiguous()
+    return pack_ints(quantized, 4)
 
 
 def unpack_int4(packed: torch.Tensor, columns: int) -> torch.Tensor:
     """int32 [R, ceil(C / 8)] -> q [R, C] int8 in [-8, 7] (`pack_int4`'s inverse)."""
-    if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[1] * 8 < columns:
-        raise ValueError(f"need int32 [R, >= {-(-columns // 8)}] packed int4 values")
-    shifts = torch.arange(8, dtype=torch.int32) * 4
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 15
-    return (nibbles.reshape(packed.shape[0], -1)[:, :columns] - 8).to(torch.int8).contiguous()
+    return unpack_ints(packed, columns, 4)
 
 
 def group_count(in_features: int, group_size: int) -> int:

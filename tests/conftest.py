@@ -336,17 +336,19 @@ def greedy_continuations(model, prompts: list[list[int]], max_new: int) -> list[
 
 def load_quantized_checkpoint_oracle(folder: Path, adapter_folder: Path | None = None):
     """transformers on a compressed-tensors checkpoint's dequantized weights (each int8
-    projection's weight times its `weight_scale`; each int4 one's unpacked groups minus
-    their zero points times their scales: kernels/int4_matmul.py), PEFT's adapter on
-    top."""
+    projection's weight times its `weight_scale`; each packed one's unpacked groups
+    (kernels/int_packing.py) minus their zero points times their scales:
+    kernels/int4_matmul.py), PEFT's adapter on top."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from loraplex.kernels.int4_matmul import dequantize_int4, unpack_int4
+    from loraplex.kernels.int4_matmul import dequantize_int4
+    from loraplex.kernels.int_packing import unpack_ints
 
     config = AutoConfig.from_pretrained(folder)
-    int4 = config.quantization_config.get("format") == "pack-quantized"
-    group_size = config.quantization_config["config_groups"]["group_0"]["weights"]["group_size"]
+    packed = config.quantization_config.get("format") == "pack-quantized"
+    weight_args = config.quantization_config["config_groups"]["group_0"]["weights"]
+    group_size, bits = weight_args["group_size"], weight_args["num_bits"]
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     stored = load_file(folder / "model.safetensors")
@@ -357,11 +359,11 @@ def load_quantized_checkpoint_oracle(folder: Path, adapter_folder: Path | None =
             rows, columns = stored[stem + "_shape"].tolist()
             zero = stored.get(stem + "_zero_point")
             if zero is not None:
-                zero = unpack_int4(zero.t().contiguous(), rows).t()
-            quantized = unpack_int4(tensor, columns)
+                zero = unpack_ints(zero.t().contiguous(), rows, bits).t()
+            quantized = unpack_ints(tensor, columns, bits)
             scale = stored[stem + "_scale"].float()
             weights[stem] = dequantize_int4(quantized, scale, zero, group_size or columns)
-        elif int4 and name.endswith(("_scale", "_shape", "_zero_point")):
+        elif packed and name.endswith(("_scale", "_shape", "_zero_point")):
             continue
         elif name + "_scale" in stored:
             weights[name] = tensor.float() * stored[name + "_scale"].float()

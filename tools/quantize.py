@@ -4,7 +4,9 @@ float HF folder, round to nearest, for every decoder layer's q/k/v/o/gate/up/dow
 projection:
 
     W8A8, W8A16 (int8 per output channel, symmetric):
-        <proj>.weight             int8 [out, in]   round(W / s) within [-127, 127]
+        <proj>.weight             int8 [out, in]   q = round(W / s) within [-127, 127] (W8A8)
+        <proj>.weight_packed      int32 [out, in / 4], q packed four to a word, and
+        <proj>.weight_shape       int64 [2]        (W8A16, as llm-compressor writes it)
         <proj>.weight_scale       [out, 1]         s = max |W[n]| / 127, in the weight's dtype
     W4A16 (int4 per group of `group_size` inputs, or per channel; symmetric, or with
     zero points: kernels/int4_matmul.py's `quantize_int4`):
@@ -35,6 +37,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from loraplex.kernels.int4_matmul import pack_int4, quantize_int4
+from loraplex.kernels.int_packing import pack_ints
 from loraplex.platform.models.compressed_tensors import (
     Int4Scheme,
     checkpoint_int4_config,
@@ -104,6 +107,10 @@ def quantize_folder(
                 if PROJECTION.fullmatch(name) and int4 is not None:
                     for suffix, value in quantize_projection_int4(tensor, int4).items():
                         tensors[name + suffix] = value
+                elif PROJECTION.fullmatch(name) and scheme == "W8A16":
+                    quantized, tensors[name + "_scale"] = quantize_projection(tensor)
+                    tensors[name + "_packed"] = pack_ints(quantized, 8)
+                    tensors[name + "_shape"] = torch.tensor(list(tensor.shape), dtype=torch.int64)
                 elif PROJECTION.fullmatch(name):
                     tensors[name], tensors[name + "_scale"] = quantize_projection(tensor)
                 else:

@@ -19,6 +19,7 @@ from loraplex.kernels.backends import KernelBackend
 from loraplex.kernels.cpu_matmul import PackedWeight, linear
 from loraplex.kernels.int4_matmul import Int4Weight, group_count, unpack_int4
 from loraplex.kernels.int8_matmul import Int8Weight
+from loraplex.kernels.int_packing import unpack_ints
 from loraplex.kernels.lora import LoRABatch, LoRAStack
 from loraplex.platform.parallel.group import TPGroup
 
@@ -70,6 +71,7 @@ class MergedLinear(nn.Module):
         its int8 form (`quantize`, or an int8 checkpoint's: `finish_int8_load`), or an
         int4 checkpoint's (`finish_int4_load`)."""
         self.int8_weight: torch.Tensor | None = None
+        self.int8_packed: torch.Tensor | None = None
         self.int8_scale: torch.Tensor | None = None
         self.int4_packed: torch.Tensor | None = None
         self.int4_scale: torch.Tensor | None = None
@@ -113,23 +115,32 @@ class MergedLinear(nn.Module):
         self.packed = Int8Weight.from_float(self.weight, mode, native, input_gain)
         self.weight.data = self.weight.new_empty(0)
 
-    def prepare_int8_load(self) -> None:
+    def prepare_int8_load(self, packed: bool = False) -> None:
         """Makes room for an int8 checkpoint's weight and per-channel scales (loaded by
-        `load_slice` as 'int8_weight' and 'int8_scale'); `weight` keeps no values."""
+        `load_slice` as 'int8_weight', or 'int8_packed' where four values are packed to
+        an int32, and 'int8_scale'); `weight` keeps no values."""
         device = self.weight.device
-        self.int8_weight = torch.empty(
-            self.out_features, self.in_features, dtype=torch.int8, device=device
-        )
+        if packed:
+            words = -(-self.in_features // 4)
+            self.int8_packed = torch.empty(
+                self.out_features, words, dtype=torch.int32, device=device
+            )
+        else:
+            self.int8_weight = torch.empty(
+                self.out_features, self.in_features, dtype=torch.int8, device=device
+            )
         self.int8_scale = torch.empty(self.out_features, dtype=torch.float32, device=device)
         self.weight.data = self.weight.new_empty(0)
 
     def finish_int8_load(self, mode: str, native: bool) -> None:
         """The loaded int8 weight and scales become the projection's product, as stored
         (kernels/int8_matmul.py, CPU)."""
-        if self.int8_weight.device.type != "cpu":
-            raise ValueError(f"int8 projections run on a CPU, not {self.int8_weight.device}")
+        if self.int8_scale.device.type != "cpu":
+            raise ValueError(f"int8 projections run on a CPU, not {self.int8_scale.device}")
+        if self.int8_packed is not None:
+            self.int8_weight = unpack_ints(self.int8_packed, self.in_features, 8)
         self.packed = Int8Weight(self.int8_weight, self.int8_scale, mode, native)
-        self.int8_weight = self.int8_scale = None
+        self.int8_weight = self.int8_packed = self.int8_scale = None
 
     def prepare_int4_load(self, group_size: int | None, symmetric: bool) -> None:
         """Makes room for an int4 checkpoint's packed weight, scales and (unless
@@ -171,6 +182,7 @@ class MergedLinear(nn.Module):
             "weight": self.weight,
             "bias": self.bias,
             "int8_weight": self.int8_weight,
+            "int8_packed": self.int8_packed,
             "int4_packed": self.int4_packed,
             "int4_scale": self.int4_scale,
             "int4_zero": self.int4_zero,
@@ -182,6 +194,8 @@ class MergedLinear(nn.Module):
             return 1
         if name == "int4_packed":
             return -(-self.in_features // 8)
+        if name == "int8_packed":
+            return -(-self.in_features // 4)
         if name in ("int4_scale", "int4_zero"):
             return group_count(self.in_features, self.int4_group_size)
         return self.in_features
@@ -299,9 +313,9 @@ class RowParallelLinear(MergedLinear):
 
     @torch.no_grad()
     def load_slice(self, index: int, name: str, tensor: CheckpointSlice) -> None:
-        if name.startswith("int4_"):
+        if name.startswith("int4_") or name == "int8_packed":
             if self.col_range != (0, self.full_in_features):
-                raise ValueError("int4 checkpoints are not served under tensor parallelism")
+                raise ValueError("packed checkpoints are not served under tensor parallelism")
             super().load_slice(index, name, tensor)
             return
         if name in ("bias", "int8_scale"):

@@ -5,7 +5,9 @@ projections (the LM head stays unquantized: `ignore` lists it, and only it):
 - int8 weights per output channel, symmetric (`int-quantized` / `naive-quantized`),
   stored as `<proj>.weight` (int8 [out, in]) and `<proj>.weight_scale` ([out, 1]); the
   activations either quantized per token on the fly (W8A8, `input_activations` int8
-  dynamic per token) or not quantized (W8A16);
+  dynamic per token) or not quantized (W8A16); or packed four to an int32 as
+  llm-compressor writes W8A16 (`pack-quantized`, 8 bits: `<proj>.weight_packed` int32
+  [out, in / 4], kernels/int_packing.py, and `<proj>.weight_shape`);
 - int4 weights (`pack-quantized`, W4A16, what llm-compressor's GPTQ, AWQ and W4A16
   round-to-nearest recipes write), per group of inputs or per output channel,
   symmetric or with zero points, stored as `<proj>.weight_packed` (int32 [out, in / 8],
@@ -17,7 +19,8 @@ projections (the LM head stays unquantized: `ignore` lists it, and only it):
 `read_checkpoint_quantization(config)` reads config.json's `quantization_config` and
 names the mode the projections run in (an int8 mode of kernels/int8_matmul.py, or
 INT4_MODE), or raises ValueError naming the first field this engine cannot serve
-exactly; `read_int4_scheme(config)` gives an int4 checkpoint's groups.
+exactly; `read_int4_scheme(config)` gives an int4 checkpoint's groups, and
+`int8_is_packed(config)` whether an int8 one's weights are packed.
 `checkpoint_quantization_config(mode)` is the config a checkpoint of that mode carries
 (`loraplex quantize` writes it).
 """
@@ -30,7 +33,8 @@ from typing import Any
 QUANT_METHOD = "compressed-tensors"
 FORMATS = ("int-quantized", "naive-quantized")
 """The formats of int8 checkpoints."""
-INT4_FORMAT = "pack-quantized"
+PACKED_FORMAT = "pack-quantized"
+"""int4 (W4A16) checkpoints, and int8 W8A16 as llm-compressor writes them."""
 INT4_MODE = "int4_weight_only"
 INT4_STRATEGIES = ("group", "channel")
 INT4_ACTORDERS = (None, "weight", "static")
@@ -70,10 +74,19 @@ def read_checkpoint_quantization(config: dict[str, Any]) -> str | None:
     group = _config_group(config)
     if group is None:
         return None
-    if config["quantization_config"].get("format") == INT4_FORMAT:
+    packed = config["quantization_config"].get("format") == PACKED_FORMAT
+    weights = group.get("weights")
+    if packed and not (isinstance(weights, dict) and weights.get("num_bits") == 8):
         _int4_weights(group)
         return INT4_MODE
-    _check_args("weights", group.get("weights"), WEIGHT_ARGS)
+    _check_args("weights", weights, WEIGHT_ARGS)
+    if packed:
+        if group.get("input_activations") is not None:
+            raise ValueError(
+                f"compressed-tensors {PACKED_FORMAT} int8 input_activations are not served "
+                "(W8A16 only)"
+            )
+        return "weight_only"
     activations = group.get("input_activations")
     if activations is None:
         return "weight_only"
@@ -81,11 +94,17 @@ def read_checkpoint_quantization(config: dict[str, Any]) -> str | None:
     return "dynamic"
 
 
+def int8_is_packed(config: dict[str, Any]) -> bool:
+    """Whether an int8 checkpoint's weights are packed four to an int32
+    (`pack-quantized`, W8A16) rather than stored as int8."""
+    return (config.get("quantization_config") or {}).get("format") == PACKED_FORMAT
+
+
 def read_int4_scheme(config: dict[str, Any]) -> Int4Scheme:
     """The groups of an int4 (INT4_MODE) checkpoint's config.json."""
     group = _config_group(config)
-    if group is None or config["quantization_config"].get("format") != INT4_FORMAT:
-        raise ValueError(f"not an int4 ({INT4_FORMAT}) compressed-tensors checkpoint")
+    if group is None or config["quantization_config"].get("format") != PACKED_FORMAT:
+        raise ValueError(f"not an int4 ({PACKED_FORMAT}) compressed-tensors checkpoint")
     return _int4_weights(group)
 
 
@@ -100,10 +119,10 @@ def _config_group(config: dict[str, Any]) -> dict[str, Any] | None:
             f"quantization_config quant_method {method!r} is not served; only "
             f"{QUANT_METHOD!r} checkpoints (int8 W8A8 and W8A16 per channel, int4 W4A16) are"
         )
-    if quantization.get("format") not in (*FORMATS, INT4_FORMAT):
+    if quantization.get("format") not in (*FORMATS, PACKED_FORMAT):
         raise ValueError(
             f"compressed-tensors format {quantization.get('format')!r} is not served "
-            f"(need one of {(*FORMATS, INT4_FORMAT)})"
+            f"(need one of {(*FORMATS, PACKED_FORMAT)})"
         )
     if quantization.get("kv_cache_scheme") is not None:
         raise ValueError("compressed-tensors kv_cache_scheme is not served")
@@ -163,7 +182,8 @@ def _check_args(where: str, args: Any, wanted: dict[str, Any]) -> None:
 
 
 def checkpoint_quantization_config(mode: str) -> dict[str, Any]:
-    """config.json's `quantization_config` of a checkpoint in `mode`."""
+    """config.json's `quantization_config` of an int8 checkpoint in `mode`: W8A8
+    `int-quantized`, W8A16 `pack-quantized` (as llm-compressor writes each)."""
     group: dict[str, Any] = {
         "targets": ["Linear"],
         "weights": {**WEIGHT_ARGS, "observer": "minmax", "actorder": None},
@@ -174,7 +194,7 @@ def checkpoint_quantization_config(mode: str) -> dict[str, Any]:
     }
     return {
         "quant_method": QUANT_METHOD,
-        "format": "int-quantized",
+        "format": "int-quantized" if mode == "dynamic" else PACKED_FORMAT,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
         "ignore": ["lm_head"],
@@ -202,7 +222,7 @@ def checkpoint_int4_config(scheme: Int4Scheme) -> dict[str, Any]:
     }
     return {
         "quant_method": QUANT_METHOD,
-        "format": INT4_FORMAT,
+        "format": PACKED_FORMAT,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
         "ignore": ["lm_head"],

@@ -327,13 +327,15 @@ class LlamaForCausalLM(nn.Module):
         quantize_lm_head: bool = False,
         int8_checkpoint: bool = False,
         int4_scheme: Int4Scheme | None = None,
+        int8_packed: bool = False,
     ) -> None:
         """Fills every parameter from the HF safetensors in `folder` (single or sharded),
         then prepacks the projections and the LM head for CPU matmuls where useful, or
         quantizes the projections (and with `quantize_lm_head` a copy of the LM head:
         a tied one stays the embedding table) to int8 in `quantization`'s mode. An
         `int8_checkpoint` (compressed-tensors, platform/models/compressed_tensors.py)
-        holds the projections' int8 weights and scales, which run as stored; an int4
+        holds the projections' int8 weights (`int8_packed`: four to an int32) and
+        scales, which run as stored; an int4
         one (`int4_scheme`) its packed int4 weights, scales and zero points (W4A16,
         kernels/int4_matmul.py), also as stored."""
         projections = [m for m in self.modules() if isinstance(m, MergedLinear)]
@@ -341,9 +343,11 @@ class LlamaForCausalLM(nn.Module):
         targets = self.weight_targets()
         if int8_checkpoint:
             for module in projections:
-                module.prepare_int8_load()
-            targets = _int8_targets(targets)
-            ignored += [name + "_zero_point" for name in targets if name.endswith(".weight")]
+                module.prepare_int8_load(int8_packed)
+            targets = _int8_targets(targets, int8_packed)
+            stems = [n.removesuffix("_scale") for n in targets if n.endswith(".weight_scale")]
+            ignored += [stem + "_zero_point" for stem in stems]
+            ignored += [stem + "_shape" for stem in stems] if int8_packed else []
         if int4_scheme is not None:
             for module in projections:
                 module.prepare_int4_load(int4_scheme.group_size, int4_scheme.symmetric)
@@ -412,13 +416,17 @@ def _int4_ignored(targets: dict[str, WeightTarget], scheme: Int4Scheme) -> list[
     return ignored
 
 
-def _int8_targets(targets: dict[str, WeightTarget]) -> dict[str, WeightTarget]:
+def _int8_targets(targets: dict[str, WeightTarget], packed: bool) -> dict[str, WeightTarget]:
     """`targets` for an int8 checkpoint: each decoder projection's `.weight` is int8
-    (its 'int8_weight'), with its per-channel `.weight_scale` beside it."""
+    (its 'int8_weight'), or `packed` its `.weight_packed` ('int8_packed'), with its
+    per-channel `.weight_scale` beside it."""
     result: dict[str, WeightTarget] = {}
     for name, target in targets.items():
         if target.attr == "weight" and isinstance(target.module, MergedLinear):
-            result[name] = dataclasses.replace(target, attr="int8_weight")
+            if packed:
+                result[name + "_packed"] = dataclasses.replace(target, attr="int8_packed")
+            else:
+                result[name] = dataclasses.replace(target, attr="int8_weight")
             scale = name.removesuffix(".weight") + ".weight_scale"
             result[scale] = dataclasses.replace(target, attr="int8_scale")
         else:

@@ -11,6 +11,7 @@ from torch import nn
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.models.compressed_tensors import (
     INT4_MODE,
+    int8_is_packed,
     read_checkpoint_quantization,
     read_int4_scheme,
 )
@@ -69,6 +70,10 @@ def load_model(
         )
         return model.eval(), arch
     model.load_weights(
-        folder, quantization or checkpoint_mode, quantize_lm_head, checkpoint_mode is not None
+        folder,
+        quantization or checkpoint_mode,
+        quantize_lm_head,
+        checkpoint_mode is not None,
+        int8_packed=checkpoint_mode is not None and int8_is_packed(config),
     )
     return model.eval(), arch

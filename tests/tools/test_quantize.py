@@ -13,10 +13,11 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from loraplex.kernels.int4_matmul import Int4Weight, unpack_int4
 from loraplex.kernels.int8_matmul import Int8Weight
+from loraplex.kernels.int_packing import unpack_ints
 from loraplex.platform.llm import LLM
 from loraplex.platform.models.compressed_tensors import (
     INT4_MODE,
@@ -45,12 +46,31 @@ def checkpoints(base, tmp_path_factory):
     return {
         "W8A8": root / "w8a8",
         "W8A16": quantize_folder(base, root / "w8a16", "W8A16"),
+        "W8A16-int-quantized": unpacked_w8a16(quantize_folder(base, root / "w8a16i", "W8A16")),
         "W4A16-g32": root / "w4g32",
         "W4A16-g48-zero-points": quantize_folder(
             base, root / "w4g48", "W4A16", group_size=48, symmetric=False
         ),
         "W4A16-channel": quantize_folder(base, root / "w4c", "W4A16", group_size=None),
     }
+
+
+def unpacked_w8a16(folder):
+    """A W8A16 checkpoint rewritten in the `int-quantized` format (int8 weights as
+    stored tensors, as W8A8 keeps them), which other writers use."""
+    stored = load_file(folder / "model.safetensors")
+    tensors = {}
+    for name, tensor in stored.items():
+        if name.endswith("_packed"):
+            stem = name.removesuffix("_packed")
+            tensors[stem] = unpack_ints(tensor, int(stored[stem + "_shape"][1]), 8)
+        elif not name.endswith("_shape"):
+            tensors[name] = tensor
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["format"] = "int-quantized"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def test_the_checkpoint_is_compressed_tensors_int8(base, checkpoints):
@@ -68,6 +88,11 @@ def test_the_checkpoint_is_compressed_tensors_int8(base, checkpoints):
     assert (error <= stored[name + "_scale"] / 2 + 1e-6).all()
     assert torch.equal(stored["lm_head.weight"], original["lm_head.weight"])
     assert (checkpoints["W8A8"] / "tokenizer.json").is_file()
+    w8a16 = json.loads((checkpoints["W8A16"] / "config.json").read_text())
+    assert w8a16["quantization_config"]["format"] == "pack-quantized"
+    packed = load_file(checkpoints["W8A16"] / "model.safetensors")
+    assert packed[name + "_packed"].shape == (64, 32) and name not in packed
+    assert torch.equal(unpack_ints(packed[name + "_packed"], 128, 8), stored[name])
 
 
 def test_the_int4_checkpoint_is_compressed_tensors_pack_quantized(base, checkpoints):
@@ -99,7 +124,15 @@ def test_the_int4_checkpoint_is_compressed_tensors_pack_quantized(base, checkpoi
 
 
 @pytest.mark.parametrize(
-    "scheme", ["W8A8", "W8A16", "W4A16-g32", "W4A16-g48-zero-points", "W4A16-channel"]
+    "scheme",
+    [
+        "W8A8",
+        "W8A16",
+        "W8A16-int-quantized",
+        "W4A16-g32",
+        "W4A16-g48-zero-points",
+        "W4A16-channel",
+    ],
 )
 def test_the_engine_serves_the_stored_quantized_weights(
     checkpoints,
@@ -125,7 +158,11 @@ def test_the_engine_serves_the_stored_quantized_weights(
     else:
         assert isinstance(qkv, Int8Weight)
         assert qkv.mode == ("dynamic" if scheme == "W8A8" else "weight_only")
-        assert torch.equal(qkv.quantized, torch.cat([stored[n] for n in names]))
+        parts = [
+            unpack_ints(stored[n + "_packed"], 64, 8) if n + "_packed" in stored else stored[n]
+            for n in names
+        ]
+        assert torch.equal(qkv.quantized, torch.cat(parts))
     llm.register_adapter("qv", str(adapter))
     rng = random.Random(1)
     prompts = [[rng.randrange(512) for _ in range(rng.choice([6, 30]))] for _ in range(4)]
@@ -152,7 +189,7 @@ def unserved(config: dict, edit) -> dict:
     ("edit", "message"),
     [
         (lambda q: q.update(quant_method="gptq"), "quant_method 'gptq'"),
-        (lambda q: q.update(format="pack-quantized"), "num_bits=8 is not served"),
+        (lambda q: q.update(format="pack-quantized"), "W8A16 only"),
         (lambda q: q.update(format="float-quantized"), "format 'float-quantized'"),
         (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4), "num_bits=4"),
         (

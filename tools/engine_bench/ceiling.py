@@ -31,8 +31,8 @@ from loraplex.platform.config import SchedulerConfig
 from loraplex.platform.dtype_choice import record_path, write_record
 from loraplex.tools.engine_bench.gemm_probe import (
     GemmTimes,
-    Int8Product,
     Projection,
+    QuantizedProduct,
     candidate_dtypes,
     dtype_name,
     model_projections,
@@ -165,7 +165,7 @@ def measure_ceiling(
     scheduler: SchedulerConfig,
     *,
     use_cache: bool = True,
-    quantization: Int8Product | None = None,
+    quantization: QuantizedProduct | None = None,
 ) -> Ceiling:
     """Probes (or reads the cached probe of) the projections `workload` runs in `dtype`
     (with `quantization`, the decoder layers' in int8: gemm_probe.py) with torch's

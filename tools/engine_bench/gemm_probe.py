@@ -9,11 +9,13 @@ distinct weight per layer (and the LM head), so each call reads its weight from 
 real step finds it: a shape timed alone over its layer copies can stay in a large L3
 cache and run faster than inside the model's pass.
 
-With `quantization` (an `Int8Product`: mode 'dynamic' or 'weight_only',
-kernels/int8_matmul.py) the decoder layers' projections are timed as the engine runs
-them under `quantization: int8` / `int8_weight_only`: int8 weights per output channel
-with the native ops, activations in `dtype`; the LM head stays in `dtype`, as the engine
-keeps it by default, or is int8 too where the product says so (`quantize_lm_head`).
+With `quantization` (a `QuantizedProduct`) the decoder layers' projections are timed as
+the engine runs them: under `quantization: int8` / `int8_weight_only` (mode 'dynamic'
+or 'weight_only', kernels/int8_matmul.py) int8 weights per output channel with the
+native ops, or, for an int4 checkpoint (mode 'int4', kernels/int4_matmul.py), int4
+weights in groups; activations in `dtype`. The LM head stays in `dtype`, as the engine
+keeps it by default, or is int8 too where the product says so (`quantize_lm_head`: W8A8
+under an int4 checkpoint).
 
 The times feed two things: the ceiling of `loraplex bench offline --ceiling`
 (`tools/engine_bench/ceiling.py`) and `dtype: auto`, which picks the dtype whose projections
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 from loraplex.kernels.cache_dir import cache_base
 from loraplex.kernels.cpu_matmul import PackedWeight, cpu_lacks_half_matmul
 from loraplex.kernels.cpu_ops import cpu_identity
+from loraplex.kernels.int4_matmul import Int4Weight, quantize_int4
 from loraplex.kernels.int8_matmul import Int8Weight
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.config import dtype_name
@@ -157,30 +160,45 @@ def _weights(projection: Projection, dtype: torch.dtype, copies: int) -> list[to
 
 
 INT8_BACKEND = "int8"
+INT4_BACKEND = "int4"
+QUANTIZED_BACKENDS = (INT8_BACKEND, INT4_BACKEND)
+INT4 = "int4"
+"""`QuantizedProduct.mode` of an int4 checkpoint's engine."""
 
 
 @dataclass(frozen=True)
-class Int8Product:
-    """How an int8 engine multiplies: its decoder layers' int8 mode ('dynamic' or
-    'weight_only', kernels/int8_matmul.py) and whether its LM head is int8 too (the
-    engine option `quantize_lm_head`)."""
+class QuantizedProduct:
+    """How a quantized engine multiplies: its decoder layers' mode ('dynamic' or
+    'weight_only' int8, kernels/int8_matmul.py; INT4, kernels/int4_matmul.py, in groups
+    of `group_size` inputs, None: one group per output channel), and whether its LM head
+    is int8 too (the engine option `quantize_lm_head`: the layers' int8 mode, or W8A8
+    beside int4 layers)."""
 
     mode: str
     lm_head: bool = False
+    group_size: int | None = 128
 
     @property
     def name(self) -> str:
-        return f"int8_{self.mode}" + ("+lm_head" if self.lm_head else "")
+        groups = f"g{self.group_size}" if self.group_size is not None else "channel"
+        layers = f"int4_{groups}" if self.mode == INT4 else f"int8_{self.mode}"
+        return layers + ("+lm_head" if self.lm_head else "")
 
 
 def _backends(
-    weights: list[torch.Tensor], int8_mode: str | None = None
+    weights: list[torch.Tensor], mode: str | None = None, group_size: int | None = 128
 ) -> dict[str, list[Callable[[torch.Tensor], object]]]:
     """The matmuls to compare: MKL's F.linear, and oneDNN's prepacked linear where the
-    weights can be packed; with `int8_mode`, the one int8 product of that mode.
-    Each call maps x -> x @ W.T."""
-    if int8_mode is not None:
-        int8 = [Int8Weight.from_float(w, int8_mode, native=True) for w in weights]
+    weights can be packed; with `mode`, the one quantized product of that mode (int4 in
+    groups of `group_size`, None: per output channel). Each call maps x -> x @ W.T."""
+    if mode == INT4:
+        int4 = []
+        for w in weights:
+            size = group_size or w.shape[1]
+            int4.append(Int4Weight(*quantize_int4(w, size, True), size, w.dtype, native=True))
+        return {INT4_BACKEND: [functools.partial(_onednn_linear, weight=w) for w in int4]}
+    if mode is not None:
+        int8 = [Int8Weight.from_float(w, mode, native=True) for w in weights]
         return {INT8_BACKEND: [functools.partial(_onednn_linear, weight=w) for w in int8]}
     found: dict[str, list[Callable[[torch.Tensor], object]]] = {
         "mkl": [functools.partial(_mkl_linear, weight=w) for w in weights]
@@ -195,16 +213,28 @@ def _mkl_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _onednn_linear(x: torch.Tensor, weight: PackedWeight | Int8Weight) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, weight: PackedWeight | Int8Weight | Int4Weight) -> torch.Tensor:
     return weight(x, None)
 
 
-def _quantized(projection: Projection, quantization: Int8Product | None) -> str | None:
-    """The int8 mode `projection` runs in: the decoder layers' under `quantization`;
-    the LM head stays in the engine's dtype unless the product quantizes it too."""
+def _quantized(projection: Projection, quantization: QuantizedProduct | None) -> str | None:
+    """The mode `projection` runs in: the decoder layers' under `quantization`; the LM
+    head stays in the engine's dtype unless the product quantizes it too (int8, W8A8
+    beside int4 layers)."""
     if quantization is None or not (projection.per_layer or quantization.lm_head):
         return None
+    if not projection.per_layer and quantization.mode == INT4:
+        return "dynamic"
     return quantization.mode
+
+
+def _options(
+    projection: Projection,
+    weights: list[torch.Tensor],
+    quantization: QuantizedProduct | None,
+) -> dict[str, list[Callable[[torch.Tensor], object]]]:
+    group_size = quantization.group_size if quantization is not None else None
+    return _backends(weights, _quantized(projection, quantization), group_size)
 
 
 def _time_compute_bound(
@@ -212,14 +242,14 @@ def _time_compute_bound(
     rows: int,
     dtype: torch.dtype,
     min_timed_s: float,
-    quantization: Int8Product | None = None,
+    quantization: QuantizedProduct | None = None,
 ) -> tuple[float, str]:
     """One projection alone over two weight copies (its weights' reads do not matter)."""
     copies = min(2, projection.count)
     weights = _weights(projection, dtype, copies)
     x = torch.randn(rows, projection.in_features).to(dtype)
     results: dict[str, float] = {}
-    for name, calls in _backends(weights, _quantized(projection, quantization)).items():
+    for name, calls in _options(projection, weights, quantization).items():
 
         def run_pass(calls=calls) -> None:
             for call in calls:
@@ -239,12 +269,17 @@ def chain_layers(projections: tuple[Projection, ...], dtype: torch.dtype) -> int
     return max(1, min(per_layer[0].count, MAX_CHAIN_BYTES // layer_bytes))
 
 
+def _quantized_only(found: dict[str, object]) -> bool:
+    """Whether a projection's backends are its one quantized product."""
+    return set(found) <= set(QUANTIZED_BACKENDS)
+
+
 def _time_streamed(
     projections: tuple[Projection, ...],
     rows: int,
     dtype: torch.dtype,
     min_timed_s: float,
-    quantization: Int8Product | None = None,
+    quantization: QuantizedProduct | None = None,
 ) -> dict[str, tuple[float, str]]:
     """Every projection at `rows`, called in the model's order (layer by layer, then the
     LM head) over distinct per-layer weights, so each call reads its weight from where a
@@ -254,17 +289,17 @@ def _time_streamed(
     counts = {p.name: (layers if p.per_layer else 1) for p in projections}
     inputs = {p.name: torch.randn(rows, p.in_features).to(dtype) for p in projections}
     options = {
-        p.name: _backends(_weights(p, dtype, counts[p.name]), _quantized(p, quantization))
-        for p in projections
+        p.name: _options(p, _weights(p, dtype, counts[p.name]), quantization) for p in projections
     }
     order = [(p.name, layer) for layer in range(layers) for p in projections if p.per_layer]
     order += [(p.name, 0) for p in projections if not p.per_layer]
-    float_backends = [set(found) for found in options.values() if INT8_BACKEND not in found]
+    float_backends = [set(found) for found in options.values() if not _quantized_only(found)]
     best: dict[str, tuple[float, str]] = {}
     for backend in set.intersection(*float_backends) if float_backends else {INT8_BACKEND}:
 
         def pick(name: str, backend: str = backend) -> str:
-            return INT8_BACKEND if INT8_BACKEND in options[name] else backend
+            found = options[name]
+            return next(iter(found)) if _quantized_only(found) else backend
 
         calls = [(name, options[name][pick(name)][index], inputs[name]) for name, index in order]
 
@@ -296,7 +331,7 @@ def cache_key(
     rows: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     min_timed_s: float,
-    quantization: Int8Product | None = None,
+    quantization: QuantizedProduct | None = None,
 ) -> str:
     digest = hashlib.sha256()
     parts = [
@@ -314,7 +349,7 @@ def cache_key(
     return digest.hexdigest()[:20]
 
 
-def product_name(dtype: torch.dtype, quantization: Int8Product | None) -> str:
+def product_name(dtype: torch.dtype, quantization: QuantizedProduct | None) -> str:
     """How a probe's projections multiply: the dtype, or e.g. 'int8_dynamic/bfloat16'
     (int8 decoder layers, activations and LM head in bf16), 'int8_dynamic+lm_head/bfloat16'
     (the LM head in int8 too)."""
@@ -334,7 +369,7 @@ def probe_gemm_times(
     *,
     min_timed_s: float | None = None,
     use_cache: bool = True,
-    quantization: Int8Product | None = None,
+    quantization: QuantizedProduct | None = None,
 ) -> GemmTimes:
     """Times every projection at its row counts (`rows[name]`) in `dtype` with torch's
     current thread count, on the calling thread (the engine's compute thread: a probe

@@ -35,9 +35,14 @@ from tqdm.auto import tqdm
 from loraplex.adapters.peft_format import SUPPORTED_MODULES
 from loraplex.platform.config import QUANTIZATIONS, dtype_name, parse_dtype_option
 from loraplex.platform.model_files import resolve_model_folder
+from loraplex.platform.models.compressed_tensors import (
+    INT4_MODE,
+    read_checkpoint_quantization,
+    read_int4_scheme,
+)
 from loraplex.platform.request import SamplingParams
 from loraplex.tools.engine_bench.ceiling import Ceiling, FixedWorkload, measure_ceiling
-from loraplex.tools.engine_bench.gemm_probe import Int8Product, candidate_dtypes
+from loraplex.tools.engine_bench.gemm_probe import INT4, QuantizedProduct, candidate_dtypes
 
 logger = logging.getLogger(__name__)
 
@@ -498,9 +503,7 @@ def run_offline_bench(
 
     llm = LLM(model=str(folder), dtype=dtype_option, seed=seed, **(engine_options or {}))
     torch_dtype = llm.engine.config.model.dtype
-    model_config = llm.engine.config.model
-    mode = QUANTIZATIONS.get(model_config.quantization or "")
-    quantization = None if mode is None else Int8Product(mode, model_config.quantize_lm_head)
+    quantization = engine_product(llm, folder)
     report.dtype = dtype_name(torch_dtype)
     pool = normal_token_ids(llm.tokenizer, model_vocab_size(folder))
     report.workload = build_workload(pool, num_requests, prompt_len, output_len, seed)
@@ -524,9 +527,23 @@ def run_offline_bench(
     return report
 
 
+def engine_product(llm, folder: Path) -> QuantizedProduct | None:
+    """How `llm`'s engine multiplies its projections where they are quantized: under
+    `quantization`, or as an int4 checkpoint stores them (its group size)."""
+    model_config = llm.engine.config.model
+    mode = QUANTIZATIONS.get(model_config.quantization or "")
+    if mode is not None:
+        return QuantizedProduct(mode, model_config.quantize_lm_head)
+    config = json.loads((folder / "config.json").read_text())
+    if read_checkpoint_quantization(config) == INT4_MODE:
+        scheme = read_int4_scheme(config)
+        return QuantizedProduct(INT4, model_config.quantize_lm_head, scheme.group_size)
+    return None
+
+
 def ceiling_products(
-    device: torch.device, dtype: torch.dtype, quantization: Int8Product | None
-) -> list[tuple[torch.dtype, Int8Product | None]]:
+    device: torch.device, dtype: torch.dtype, quantization: QuantizedProduct | None
+) -> list[tuple[torch.dtype, QuantizedProduct | None]]:
     """The (dtype, int8 product) ceilings to probe: the engine's own first, then every
     other dtype this CPU multiplies natively, and int8 W8A8 with activations in the
     engine's dtype (where the native CPU ops that int8 needs are built)."""
@@ -535,7 +552,7 @@ def ceiling_products(
     products = [(dtype, quantization)]
     products += [(d, None) for d in candidate_dtypes(device) if (d, None) not in products]
     if cpu_ops.load() and not any(q is not None and q.mode == "dynamic" for _, q in products):
-        products.append((dtype, Int8Product("dynamic")))
+        products.append((dtype, QuantizedProduct("dynamic")))
     return products
 
 

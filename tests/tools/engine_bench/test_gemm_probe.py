@@ -11,8 +11,8 @@ from loraplex.kernels.cache_dir import CACHE_DIR_ENV
 from loraplex.platform.arch import ModelArch
 from loraplex.tools.engine_bench import gemm_probe
 from loraplex.tools.engine_bench.gemm_probe import (
-    Int8Product,
     Projection,
+    QuantizedProduct,
     model_projections,
     probe_gemm_times,
 )
@@ -61,7 +61,7 @@ def test_probe_times_every_projection_at_every_row_count(quick_probe):
 def test_an_int8_probe_times_the_layers_in_int8_and_the_lm_head_as_is(quick_probe, mode):
     """The decoder layers take the int8 product of the mode at every row count; the LM
     head stays a float matmul; the probe is cached apart from fp32's."""
-    product = Int8Product(mode)
+    product = QuantizedProduct(mode)
     times = probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, quantization=product)
     assert times.dtype == f"int8_{mode}/float32"
     for name, rows in ROWS.items():
@@ -79,11 +79,13 @@ def test_an_int8_probe_times_the_layers_in_int8_and_the_lm_head_as_is(quick_prob
 def test_an_int8_probe_with_the_lm_head_in_int8_times_it_in_int8(quick_probe):
     """`quantize_lm_head`'s product: the LM head takes the int8 product too, and the probe
     is cached apart from the one with a float head."""
-    with_head = Int8Product("dynamic", lm_head=True)
+    with_head = QuantizedProduct("dynamic", lm_head=True)
     times = probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, quantization=with_head)
     assert times.dtype == "int8_dynamic+lm_head/float32"
     assert set(times.backend["lm_head"].values()) == {gemm_probe.INT8_BACKEND}
-    probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, quantization=Int8Product("dynamic"))
+    probe_gemm_times(
+        TINY_PROJECTIONS, ROWS, torch.float32, quantization=QuantizedProduct("dynamic")
+    )
     cached = sorted(
         json.loads(f.read_text())["dtype"] for f in (quick_probe / "gemm_probe").glob("*.json")
     )
@@ -128,3 +130,18 @@ def test_the_streamed_chain_holds_every_layer_up_to_its_byte_cap():
         1, gemm_probe.MAX_CHAIN_BYTES // layer_bytes
     )
     assert gemm_probe.chain_layers(huge, torch.float32) < 80
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_an_int4_probe_times_the_layers_in_int4(quick_probe, lm_head):
+    """An int4 checkpoint's product: the layers int4 in groups (here of 32), the LM head
+    float, or W8A8 with `quantize_lm_head`; named by its groups."""
+    product = QuantizedProduct(gemm_probe.INT4, lm_head=lm_head, group_size=32)
+    times = probe_gemm_times(TINY_PROJECTIONS, ROWS, torch.float32, quantization=product)
+    assert times.dtype == "int4_g32" + ("+lm_head" if lm_head else "") + "/float32"
+    head = {gemm_probe.INT8_BACKEND} if lm_head else {"mkl", "onednn"}
+    for name, rows in ROWS.items():
+        for m in rows:
+            assert 0 < times.time(name, m) < 0.1
+            backends = head if name == "lm_head" else {gemm_probe.INT4_BACKEND}
+            assert times.backend[name][m] in backends

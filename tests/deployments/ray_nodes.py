@@ -50,11 +50,21 @@ class LocalNode:
 class LocalCluster:
     def __init__(self, temp_dir: Path, free_port: Callable[[], int], env: dict[str, str]):
         self.temp_dir = temp_dir
-        self.free_port = free_port
+        self._free_port = free_port
+        self._given: set[int] = set()
         self.env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
-        self.gcs_port = free_port()
-        self.dashboard_port = free_port()
+        self.gcs_port = self.free_port()
+        self.dashboard_port = self.free_port()
         self.nodes: list[LocalNode] = []
+
+    def free_port(self) -> int:
+        """A free port not handed out before: the OS may offer a port it just freed
+        again, and Ray refuses to start when two of its components share one."""
+        while True:
+            port = self._free_port()
+            if port not in self._given:
+                self._given.add(port)
+                return port
 
     @property
     def address(self) -> str:

@@ -124,7 +124,7 @@ BLOCKS: dict[tuple[str, str], BlockCoverage] = {
     ("docs/offline.md", "import tempfile"): BlockCoverage(
         ENGINE, EXECUTED, "a PEFT adapter with a resized vocabulary of the tests' tiny Llama"
     ),
-    ("README.md", "import math"): BlockCoverage(
+    ("docs/serving.md", "import math"): BlockCoverage(
         APP,
         EXECUTED,
         "after the README's first-requests block (its client)",

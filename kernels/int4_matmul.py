@@ -191,7 +191,8 @@ class Int4Weight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         gemv = self.gemv
         if gemv is not None and x.shape[0] <= INT4_GEMV_ROWS and x.dtype == self.dtype:
-            padded = F.pad(x, (0, gemv.padded_in - self.in_features)).contiguous()
+            padding = gemv.padded_in - self.in_features
+            padded = (F.pad(x, (0, padding)) if padding else x).contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 padded, gemv.packed, gemv.group_size, gemv.scales_and_zeros
             )

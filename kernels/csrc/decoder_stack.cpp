@@ -179,7 +179,9 @@ class Stack {
     const int64_t* meta = w[5].data_ptr<int64_t>();
     const int64_t out_features = meta[0], in_features = meta[1], group_size = meta[2];
     if (w[0].numel() > 0 && x.size(0) <= row_bound_) {
-      const Tensor padded = at::constant_pad_nd(x, {0, meta[4] - in_features}).contiguous();
+      const int64_t padding = meta[4] - in_features;
+      const Tensor padded =
+          (padding > 0 ? at::constant_pad_nd(x, {0, padding}) : x).contiguous();
       Tensor out = at::_weight_int4pack_mm_for_cpu(padded, w[0], meta[3], w[1]);
       if (out.size(1) != out_features) {
         out = out.narrow(1, 0, out_features).contiguous();

@@ -36,6 +36,8 @@ FORMATS = ("int-quantized", "naive-quantized")
 PACKED_FORMAT = "pack-quantized"
 """int4 (W4A16) checkpoints, and int8 W8A16 as llm-compressor writes them."""
 INT4_MODE = "int4_weight_only"
+INT4_LM_HEAD_MODE = "dynamic"
+"""The int8 mode an int4 checkpoint's LM head runs in under `quantize_lm_head` (W8A8)."""
 INT4_STRATEGIES = ("group", "channel")
 INT4_ACTORDERS = (None, "weight", "static")
 """Activation orders that store the weight in its own order (no `weight_g_idx`)."""

@@ -10,6 +10,7 @@ from torch import nn
 
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.models.compressed_tensors import (
+    INT4_LM_HEAD_MODE,
     INT4_MODE,
     int8_is_packed,
     read_checkpoint_quantization,
@@ -63,8 +64,7 @@ def load_model(
     if checkpoint_mode == INT4_MODE:
         if quantization is not None:
             raise ValueError("an int4 checkpoint runs as stored: leave quantization unset")
-        # with quantize_lm_head its LM head runs W8A8 (int8_matmul's 'dynamic' mode)
-        head_mode = "dynamic" if quantize_lm_head else None
+        head_mode = INT4_LM_HEAD_MODE if quantize_lm_head else None
         model.load_weights(
             folder, head_mode, quantize_lm_head, int4_scheme=read_int4_scheme(config)
         )

@@ -46,6 +46,7 @@ from loraplex.kernels.int4_matmul import Int4Weight, quantize_int4
 from loraplex.kernels.int8_matmul import Int8Weight
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.config import dtype_name
+from loraplex.platform.models.compressed_tensors import INT4_LM_HEAD_MODE
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def _quantized(projection: Projection, quantization: QuantizedProduct | None) ->
     if quantization is None or not (projection.per_layer or quantization.lm_head):
         return None
     if not projection.per_layer and quantization.mode == INT4:
-        return "dynamic"
+        return INT4_LM_HEAD_MODE
     return quantization.mode
 
 

@@ -113,22 +113,31 @@ class AdapterCatalog:
             }
             for base, adapters in shared.items()
         }
-        self._mtime: int | None = None
+        self._stamp: tuple[int, int, int] | None = None
+        """The catalog file's (inode, size, mtime) when it was last read."""
         self._data: dict = {"next_version": 1, "tenants": {}}
 
     # ---- reading ---------------------------------------------------------------------
-    def _refresh(self) -> bool:
-        """Re-reads the catalog file if it changed; True when it did."""
+    def _refresh(self, force: bool = False) -> bool:
+        """Re-reads the catalog file if it changed (or `force`); True when it did. A
+        change is a new (inode, size, mtime): every write replaces the file, but two
+        writes within one tick of the file system's clock can share an mtime."""
         try:
-            mtime = self._file.stat().st_mtime_ns
+            found = self._file.stat()
+            stamp = (found.st_ino, found.st_size, found.st_mtime_ns)
         except FileNotFoundError:
-            mtime = None
+            stamp = None
         with self._mutex:
-            if mtime == self._mtime:
+            if stamp == self._stamp and not force:
                 return False
-            self._data = self._read() if mtime is not None else {"next_version": 1, "tenants": {}}
-            self._mtime = mtime
+            self._data = self._read() if stamp is not None else {"next_version": 1, "tenants": {}}
+            self._stamp = stamp
             return True
+
+    def reread(self) -> None:
+        """Reads the catalog file again whatever its stamp says (a replica reported a
+        version this copy still calls current)."""
+        self._refresh(force=True)
 
     def _read(self) -> dict:
         return json.loads(self._file.read_text())
@@ -186,7 +195,7 @@ class AdapterCatalog:
         owner, _, rest = model_id.partition("/")
         name, _, _ = rest.rpartition("@")
         entry = self.find(owner, base, name)
-        if entry is None and owner != SHARED and self._mtime is None:
+        if entry is None and owner != SHARED and self._stamp is None:
             logger.warning(
                 "tenant adapter %s asked for, but this node (%s) sees no catalog %s: is the "
                 "shared adapter root mounted here?",

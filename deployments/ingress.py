@@ -1153,6 +1153,7 @@ class OpenAIIngress:
         if entry is None:
             return None
         try:
+            self.catalog.reread()
             current = self.catalog.find(entry.owner, entry.base, entry.name)
         except CatalogError:
             return None

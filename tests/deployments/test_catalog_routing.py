@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from loraplex.deployments.catalog import AdapterCatalog, CatalogError
+from loraplex.deployments.catalog import CATALOG_FILE, AdapterCatalog, CatalogError
 from loraplex.deployments.errors import OpenAIError
 from loraplex.deployments.routing import resolve_model, visible_adapters
 from loraplex.deployments.tenants import Tenant
@@ -52,6 +52,23 @@ def test_a_second_catalog_instance_sees_registrations(catalog):
     other = AdapterCatalog(catalog.root, {})
     catalog.register("acme", "m1", "mine", "mine", max_adapters=4)
     assert [e.name for e in other.tenant_entries("acme")] == ["mine"]
+
+
+def test_a_second_instance_sees_an_update_written_within_the_same_mtime(catalog):
+    """Two writes inside one tick of the file system's clock share an mtime: the other
+    instance still sees the second (the file's inode and size are in its stamp), and
+    `reread` reads the file whatever its stamp."""
+    other = AdapterCatalog(catalog.root, {})
+    first = catalog.register("acme", "m1", "mine", "mine", max_adapters=4)
+    assert other.find("acme", "m1", "mine") == first
+    before = (catalog.root / CATALOG_FILE).stat()
+    second = catalog.unload("acme", "m1", "mine")
+    os.utime(catalog.root / CATALOG_FILE, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert other.find("acme", "m1", "mine") == second
+    third = catalog.unload("acme", "m1", "mine")
+    os.utime(catalog.root / CATALOG_FILE, ns=(before.st_atime_ns, before.st_mtime_ns))
+    other.reread()
+    assert other.find("acme", "m1", "mine") == third
 
 
 class Records(logging.Handler):

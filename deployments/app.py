@@ -76,6 +76,11 @@ def bind_model_server(
         health_check_period_s=server.health_check_period_s,
         graceful_shutdown_timeout_s=server.graceful_shutdown_timeout_s,
         request_router_config=request_router_config(config),
+        # The ingress's calls: the model server logs each request's own line (request
+        # id, tenant, adapter, tokens, time) to the replica's file; Serve's access line
+        # per call would repeat it under Serve's internal id, on the console too. A
+        # config's `deployments: [{name: model-..., logging_config: ...}]` turns it on.
+        logging_config={"enable_access_log": False},
         **scaling,
     )
     return deployment.bind(config, adapter_root, registry)

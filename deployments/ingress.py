@@ -54,6 +54,7 @@ from loraplex.deployments.adapter_fetching import AdapterFetching
 from loraplex.deployments.adapter_validation import AdapterValidator
 from loraplex.deployments.admission import FleetAdmission
 from loraplex.deployments.body_limit import BodyLimit
+from loraplex.deployments.call_handles import GenerateHandles
 from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry, CatalogError
 from loraplex.deployments.config import (
     ModelDeploymentConfig,
@@ -64,7 +65,7 @@ from loraplex.deployments.direct_http import DirectHTTP
 from loraplex.deployments.errors import OpenAIError, error_response
 from loraplex.deployments.frame_channels import FrameChannels
 from loraplex.deployments.ingress_gate import InFlightGate, set_gate_limit
-from loraplex.deployments.logs import send_platform_logs_to_serve
+from loraplex.deployments.logs import PER_REQUEST, send_platform_logs_to_serve
 from loraplex.deployments.metrics import (
     TENANT_LABELS,
     IngressMetrics,
@@ -550,6 +551,7 @@ class OpenAIIngress:
         self.registry = registry
         self.bases = [model.name for model in config.models]
         self.servers = dict(zip(self.bases, servers, strict=True))
+        self.generate_handles = GenerateHandles(self.servers)
         self.tenants = Tenants(config.tenants, tuple(config.adapter_sources))
         self.catalog = AdapterCatalog(config.adapter_root, config.shared_adapters())
         self.fetching = AdapterFetching(config.adapter_fetch, self.catalog)
@@ -939,6 +941,7 @@ class OpenAIIngress:
             tenant.name,
             body.model,
             len(calls),
+            extra=PER_REQUEST,
         )
         steps = [first for _, first in run.started]
         prompt_tokens = sum(step.prompt_tokens for step in steps)
@@ -1000,10 +1003,16 @@ class OpenAIIngress:
             body.model,
             body.stream,
             len(calls),
+            extra=PER_REQUEST,
         )
         if self.log_prompts:
             for call in run.calls:
-                logger.info("request %s prompt: %r", call.request_id, call.messages or call.prompt)
+                logger.info(
+                    "request %s prompt: %r",
+                    call.request_id,
+                    call.messages or call.prompt,
+                    extra=PER_REQUEST,
+                )
         streams = [
             (accumulator, first, steps)
             for accumulator, (steps, first) in zip(accumulators, started, strict=True)
@@ -1119,13 +1128,13 @@ class OpenAIIngress:
         whose adapter version was replaced between its routing and its replica (an
         update, an unload) is sent again with the catalog's current version, up to
         `resends` times."""
-        handle = self.servers[route.base].options(stream=True, multiplexed_model_id=route.model_id)
+        generate = self.generate_handles(route.base, route.model_id)
         if self.frames is None:
-            steps = handle.generate.remote(call)
+            steps = generate.remote(call)
         else:
             key = self.frames.new_key()
             framed = dataclasses.replace(call, frames_to=await self.frames.address(), frame_key=key)
-            steps = self.frames.steps(key, handle.generate.remote(framed))
+            steps = self.frames.steps(key, generate.remote(framed))
         try:
             first = await self._first_step(route.base, call.request_id, steps)
         except SERVE_REFUSALS as exc:
@@ -1272,9 +1281,16 @@ class OpenAIIngress:
             finished = True
         finally:
             if not finished:
-                logger.info("request %s: client went away, aborted", head.request_id)
+                logger.info(
+                    "request %s: client went away, aborted", head.request_id, extra=PER_REQUEST
+                )
             end.run(cancel=not completed)
-        logger.info("request %s streamed in %.2fs", head.request_id, time.monotonic() - started)
+        logger.info(
+            "request %s streamed in %.2fs",
+            head.request_id,
+            time.monotonic() - started,
+            extra=PER_REQUEST,
+        )
 
     # ---- admin API: a tenant's own adapters -----------------------------------------------
     @app.get("/v1/adapters")

@@ -8,9 +8,17 @@ lines (request ids, tenants, sizes, timings, warm-up, restarts) would never be s
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 PLATFORM_LOGGER = "loraplex"
 SERVE_LOGGER = "ray.serve"
+
+PER_REQUEST: Final = {"log_to_stderr": False}
+"""`extra` of a line logged for every request: it goes to the replica's log file
+(`logs/serve/replica_*.log`, the dashboard's Serve logs) but not to the replica's
+stderr, which Ray's log monitor tails and forwards to the `serve run` terminal. At tens
+of requests a second that forwarding cost the log monitor, the GCS and the driver more
+CPU than the lines are worth on a console; warnings and errors still go to both."""
 
 
 def send_platform_logs_to_serve() -> None:

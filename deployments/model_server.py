@@ -62,7 +62,7 @@ from loraplex.deployments.catalog import AdapterCatalog, AdapterEntry
 from loraplex.deployments.config import ModelDeploymentConfig, model_deployment_name
 from loraplex.deployments.frame_outbox import FrameOutboxes
 from loraplex.deployments.logprobs import TokenTexts
-from loraplex.deployments.logs import send_platform_logs_to_serve
+from loraplex.deployments.logs import PER_REQUEST, send_platform_logs_to_serve
 from loraplex.deployments.metrics import EngineMetrics, ProcessMemory
 from loraplex.deployments.residency import HEARTBEAT_S, PUBLISH_PERIOD_S, ReplicaResidency
 from loraplex.deployments.step_frames import CALL_END
@@ -496,7 +496,9 @@ class ModelServer:
             call.request_id, call.params.n, waited_s, call.tenant, call.tenant_weight
         )
         if refusal is not None:
-            logger.info("request %s refused: %s", call.request_id, refusal.message)
+            logger.info(
+                "request %s refused: %s", call.request_id, refusal.message, extra=PER_REQUEST
+            )
             self.metrics.refused.inc(1, self.metrics.tags)
             yield GenerateError(
                 503, refusal.message, retry_after_s=refusal.retry_after_s, code=OVERLOADED
@@ -552,11 +554,11 @@ class ModelServer:
                         self.admission.started(call.request_id)
                     yield step
         except AdapterReplacedError as exc:
-            logger.info("request %s: %s", call.request_id, exc)
+            logger.info("request %s: %s", call.request_id, exc, extra=PER_REQUEST)
             yield GenerateError(404, str(exc), code=ADAPTER_REPLACED)
             return
         except (ValueError, LookupError) as exc:
-            logger.info("request %s rejected: %s", call.request_id, exc)
+            logger.info("request %s rejected: %s", call.request_id, exc, extra=PER_REQUEST)
             yield GenerateError(404 if isinstance(exc, LookupError) else 400, str(exc))
             return
         except RequestFailedError as exc:
@@ -568,7 +570,7 @@ class ModelServer:
             yield GenerateError(503, f"{exc}; retry", retry_after_s=1)
             return
         except EngineAsleepError as exc:
-            logger.info("request %s refused: %s", call.request_id, exc)
+            logger.info("request %s refused: %s", call.request_id, exc, extra=PER_REQUEST)
             yield GenerateError(503, str(exc), retry_after_s=ASLEEP_RETRY_AFTER_S, code=ASLEEP)
             return
         except (EngineDeadError, EngineStoppedError) as exc:
@@ -593,6 +595,7 @@ class ModelServer:
             prompt_tokens,
             tracker.num_tokens,
             elapsed,
+            extra=PER_REQUEST,
         )
 
     def _prompt_text(

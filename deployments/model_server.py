@@ -47,7 +47,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
@@ -83,7 +83,7 @@ from loraplex.platform.async_engine import (
     Supervision,
 )
 from loraplex.platform.failpoints import FAILPOINTS
-from loraplex.platform.request import RequestOutput
+from loraplex.platform.request import DELTA, RequestOutput
 from loraplex.platform.request_limits import fit_embedding, fit_request
 
 logger = logging.getLogger(__name__)
@@ -468,28 +468,37 @@ class ModelServer:
             async for item in self._steps(call):
                 yield item
             return
+
+        def forward(step: StreamStep | GenerateError) -> None:
+            if not outbox.put(call.frame_key, step):
+                raise FrameChannelClosed(call.request_id)
+
         first = True
         try:
-            async for item in self._steps(call):
+            async for item in self._steps(call, forward):
                 if first:
                     first = False
                     if isinstance(item, StreamStep):
                         item = dataclasses.replace(item, replica=self.replica_id)
                     yield item
-                elif not outbox.put(call.frame_key, item):
-                    logger.warning("request %s: its frame channel closed", call.request_id)
-                    yield GenerateError(
-                        503,
-                        "the model replica lost its channel to the ingress; retry",
-                        retry_after_s=1,
-                    )
-                    return
+                else:
+                    forward(item)
             if not first:
                 outbox.put(call.frame_key, CALL_END)
+        except FrameChannelClosed:
+            logger.warning("request %s: its frame channel closed", call.request_id)
+            yield GenerateError(
+                503, "the model replica lost its channel to the ingress; retry", retry_after_s=1
+            )
         finally:
             outbox.call_ended()
 
-    async def _steps(self, call: GenerateCall) -> AsyncIterator[StreamStep | GenerateError]:
+    async def _steps(
+        self, call: GenerateCall, forward: Callable[[StreamStep], None] | None = None
+    ) -> AsyncIterator[StreamStep | GenerateError]:
+        """The call's steps; with `forward`, only its first and last come out here, and
+        every step between them goes to `forward` as the engine produces it (on this
+        event loop, AsyncEngine.generate)."""
         started = time.perf_counter()
         waited_s = time.time() - call.received_at if call.received_at is not None else 0.0
         refusal = self.admission.admit(
@@ -504,13 +513,16 @@ class ModelServer:
                 503, refusal.message, retry_after_s=refusal.retry_after_s, code=OVERLOADED
             )
             return
-        first_token_s = None
-        tracker = DeltaTracker(call.params.n, self.token_texts)
-        prompt_tokens = 0
+
+        def first_token() -> None:
+            builder.first_token_s = time.perf_counter() - started
+            self.admission.started(call.request_id)
+
+        builder = StepBuilder(self.token_texts, first_token)
         try:
             lora = await self._adapter_for_call()
             if lora is not None and lora.tokenizer is not None:
-                tracker.texts = TokenTexts(functools.partial(self.engine.detokenize, lora=lora))
+                builder.texts = TokenTexts(functools.partial(self.engine.detokenize, lora=lora))
             prompt = self.engine.prompt_ids(call.prompt, call.messages, call.tools, lora)
             if call.embed:
                 fitted = fit_embedding(len(prompt), self.engine.limits, call.max_request_tokens)
@@ -522,36 +534,33 @@ class ModelServer:
                     "requested" if call.max_tokens_given else "default",
                     call.max_request_tokens,
                 )
-            tracker.worst_case_tokens = fitted.worst_case_tokens
+            builder.worst_case_tokens = fitted.worst_case_tokens
             stream = self.engine.generate(
                 prompt,
-                fitted.params,
+                dataclasses.replace(fitted.params, output_kind=DELTA),
                 request_id=call.request_id,
                 adapter=lora,
                 cache_salt=call.cache_salt,
                 tenant=call.tenant,
                 tenant_weight=call.tenant_weight,
                 embed=call.embed,
+                forward=None if forward is None else lambda output: forward(builder.step(output)),
             )
             if call.embed:
                 step = await _embedding_step(stream)
-                prompt_tokens = step.prompt_tokens
+                builder.prompt_tokens = step.prompt_tokens
                 yield step
             else:
                 echo_text = self._prompt_text(call.prompt, prompt, lora) if call.echo else None
                 tool_format = self.engine.tool_call_format if call.tools else None
                 first = True
                 async for output in stream:
-                    step = tracker.step(output)
+                    step = builder.step(output)
                     if first:
                         step = dataclasses.replace(
                             step, echo_text=echo_text, tool_call_format=tool_format
                         )
                         first = False
-                    prompt_tokens = step.prompt_tokens
-                    if first_token_s is None and any(d.num_new_tokens for d in step.deltas):
-                        first_token_s = time.perf_counter() - started
-                        self.admission.started(call.request_id)
                     yield step
         except AdapterReplacedError as exc:
             logger.info("request %s: %s", call.request_id, exc, extra=PER_REQUEST)
@@ -585,15 +594,15 @@ class ModelServer:
             self.admission.finish(call.request_id)
         elapsed = time.perf_counter() - started
         self.metrics.record_request(
-            call.adapter, prompt_tokens, tracker.num_tokens, first_token_s, elapsed
+            call.adapter, builder.prompt_tokens, builder.num_tokens, builder.first_token_s, elapsed
         )
         logger.info(
             "request %s done: tenant=%s adapter=%s prompt=%d generated=%d in %.2fs",
             call.request_id,
             call.tenant or "-",
             call.adapter or "-",
-            prompt_tokens,
-            tracker.num_tokens,
+            builder.prompt_tokens,
+            builder.num_tokens,
             elapsed,
             extra=PER_REQUEST,
         )
@@ -665,47 +674,46 @@ async def _embedding_step(stream: AsyncIterator[RequestOutput]) -> StreamStep:
     )
 
 
-class DeltaTracker:
-    """Turns cumulative RequestOutputs into per-completion deltas."""
+class FrameChannelClosed(RuntimeError):
+    """A framed call's step could not be queued: its ingress's channel closed."""
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens generated so far over every completion."""
-        return sum(self._tokens)
 
-    def __init__(self, n: int, texts: TokenTexts) -> None:
+class StepBuilder:
+    """Turns a DELTA request's outputs (platform/request.py RequestOutput) into the
+    wire's StreamSteps, counting what the call generated; `on_first_token` runs once,
+    when the first generated token arrives."""
+
+    def __init__(self, texts: TokenTexts, on_first_token: Callable[[], None]) -> None:
         self.texts = texts
-        self._prompt_sent = False
         self.worst_case_tokens = 0
-        self._text = [0] * n
-        self._tokens = [0] * n
-        self._logprobs = [0] * n
-        self._finished = [False] * n
+        self.prompt_tokens = 0
+        self.num_tokens = 0
+        """Tokens generated so far over every completion."""
+        self.first_token_s: float | None = None
+        self._on_first_token = on_first_token
 
     def step(self, output: RequestOutput) -> StreamStep:
         deltas = []
+        new_tokens = 0
         for completion in output.outputs:
-            i = completion.index
-            if self._finished[i]:
-                continue
-            text = completion.text[self._text[i] :]
-            new_tokens = len(completion.token_ids) - self._tokens[i]
-            logprobs = (completion.logprobs or [])[self._logprobs[i] :]
-            if not text and not new_tokens and completion.finish_reason is None:
-                continue
-            self._text[i] = len(completion.text)
-            self._tokens[i] = len(completion.token_ids)
-            self._logprobs[i] += len(logprobs)
-            self._finished[i] = completion.finish_reason is not None
-            entries = self.texts.entries(logprobs)
-            deltas.append(StreamDelta(i, text, new_tokens, completion.finish_reason, entries))
+            count = len(completion.token_ids)
+            new_tokens += count
+            entries = self.texts.entries(completion.logprobs) if completion.logprobs else []
+            deltas.append(
+                StreamDelta(
+                    completion.index, completion.text, count, completion.finish_reason, entries
+                )
+            )
+        if new_tokens and not self.num_tokens:
+            self._on_first_token()
+        self.num_tokens += new_tokens
+        self.prompt_tokens = len(output.prompt_token_ids)
         prompt_logprobs = None
-        if output.prompt_logprobs is not None and not self._prompt_sent and deltas:
-            self._prompt_sent = True
+        if output.prompt_logprobs is not None:
             prompt = output.prompt_token_ids
             prompt_logprobs = self.texts.prompt_entries(prompt, output.prompt_logprobs)
         return StreamStep(
-            len(output.prompt_token_ids),
+            self.prompt_tokens,
             deltas,
             self.worst_case_tokens,
             output.num_cached_tokens,

@@ -5,9 +5,12 @@ all of its compute (platform/compute_threads.py). `generate()` validates in the 
 (bad input raises ValueError there), waits for its adapter to load (on the adapter
 store's threads, so the step loop keeps serving other requests meanwhile) and for its
 grammar to compile (structured output, on a worker thread), hands the
-request to the loop thread and yields cumulative RequestOutputs as they arrive; when
-the consumer lags, only the newest output is kept (each one contains the previous), and
-when many requests stream at once each yields every few steps (`_Coalescing`).
+request to the loop thread and yields its RequestOutputs (cumulative, or deltas when the
+request's `output_kind` asks) as they arrive; outputs a lagging consumer has not taken
+are merged into one, and when many requests stream at once each yields every few steps
+(`_Coalescing`). A caller may instead take every output between the first and the last
+in a callback on its event loop (`forward`), which a model server uses to write them
+straight into its frames.
 Leaving the iterator early (client disconnect, cancellation) aborts the request, which
 frees its KV blocks on the next loop turn.
 
@@ -51,7 +54,13 @@ from loraplex.adapters.peft_format import LoRAAdapter
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import EngineSnapshot, LLMEngine
-from loraplex.platform.request import Request, RequestFailure, RequestOutput, SamplingParams
+from loraplex.platform.request import (
+    Request,
+    RequestFailure,
+    RequestOutput,
+    SamplingParams,
+    merge_outputs,
+)
 from loraplex.platform.request_limits import EngineLimits
 from loraplex.platform.sleep_mode import SleepReport
 from loraplex.platform.thread_names import COMPUTE_THREAD_NAME, name_this_thread
@@ -121,37 +130,87 @@ class _Call:
 
 
 class _Stream:
-    """Hands one request's outputs from the loop thread to its coroutine."""
+    """Hands one request's outputs from the loop thread to its consumer, on the
+    consumer's event loop (`take`, called there): an output held back (`_Coalescing`) is
+    merged into the next one; the rest are queued for the request's iterator, or, past
+    the first and before the last, given to `forward` when the caller named one."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        kind: str,
+        coalescing: _Coalescing,
+        forward: Callable[[RequestOutput], None] | None,
+    ) -> None:
         self.loop = loop
+        self.kind = kind
+        self.coalescing = coalescing
+        self.forward = forward
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._held: RequestOutput | None = None
+        self._queued_first = False
+        self._failed = False
+        """`forward` raised: the request ends with that error, nothing more is taken."""
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """From any thread: `take` on the consumer's loop."""
+        self.loop.call_soon_threadsafe(self.take, item, 1)
 
-    async def newest(self) -> RequestOutput:
+    def take(self, item: RequestOutput | BaseException, outputs_per_step: int) -> None:
+        if self._failed:
+            return
+        if isinstance(item, BaseException):
+            self.queue.put_nowait(item)
+            return
+        if self._held is not None:
+            item, self._held = merge_outputs(self._held, item, self.kind), None
+        last = item.finished or item.error is not None
+        if not last and self.coalescing.holds_back(False, outputs_per_step):
+            self._held = item
+            return
+        if self.forward is None or last or not self._queued_first:
+            self._queued_first = True
+            self.queue.put_nowait(item)
+            return
+        try:
+            self.forward(item)
+        except Exception as exc:
+            self._failed = True
+            self.queue.put_nowait(exc)
+
+    async def next(self) -> RequestOutput:
+        """The next queued output; raises a queued error instead. Without `forward`, the
+        outputs queued behind it are merged into it (a consumer that lagged gets them as
+        one); with it, the first and the last are kept apart, since the outputs between
+        them went out through `forward`."""
         item = await self.queue.get()
-        while not self.queue.empty() and not isinstance(item, BaseException):
-            item = self.queue.get_nowait()
+        while self.forward is None and not self.queue.empty():
+            if isinstance(item, BaseException):
+                break
+            newer = self.queue.get_nowait()
+            if isinstance(newer, BaseException):
+                item = newer
+            else:
+                item = merge_outputs(item, newer, self.kind)
         if isinstance(item, BaseException):
             raise item
         return item
 
 
 class _Coalescing:
-    """Which of one request's outputs to yield when many requests stream at once.
+    """Which of one request's outputs to hand on when many requests stream at once.
 
-    Every yielded output crosses the serving path (a Ray message per hop, an SSE event,
-    a client wake-up) at a CPU cost per message that, on a small CPU host, competes with
+    Every output handed on crosses the serving path (a frame entry, an SSE event, a
+    client wake-up) at a CPU cost per message that, on a small CPU host, competes with
     the engine itself. So when the last step had outputs for more than
-    `messages_per_step` requests, each yields only every k-th of its outputs, k =
+    `messages_per_step` requests, each hands on only every k-th of its outputs, k =
     ceil(outputs / messages_per_step), staggered across requests so each step sends
     about `messages_per_step` messages; its first output and its last always go out at
     once. With at most `messages_per_step` requests running (a single stream included)
-    every output goes out. Outputs are cumulative, so one held back is contained in the
-    next: no token is lost or repeated, and time per output token is unchanged; only the
-    events of a busy stream carry several tokens each. 0 turns it off."""
+    every output goes out. An output held back is merged into the next (`merge_outputs`:
+    a cumulative one is contained in it, a delta is joined to it): no token is lost or
+    repeated, and time per output token is unchanged; only the events of a busy stream
+    carry several tokens each. 0 turns it off."""
 
     def __init__(self, messages_per_step: int, offset: int) -> None:
         self.messages_per_step = messages_per_step
@@ -166,9 +225,9 @@ class _Coalescing:
         return (self.received + self.offset) % every != 0
 
 
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[_Stream, RequestOutput]], outputs_per_step: int) -> None:
     for stream, output in items:
-        stream.queue.put_nowait(output)
+        stream.take(output, outputs_per_step)
 
 
 class AsyncEngine:
@@ -220,7 +279,6 @@ class AsyncEngine:
         self._idle_poll_s = idle_poll_s
         self._messages_per_step = messages_per_step
         self._requests_started = 0
-        self._outputs_per_step = 0
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._sleeping = False
         """Set from `sleep` until `wake_up` returns: generate() refuses new requests."""
@@ -258,14 +316,21 @@ class AsyncEngine:
         tenant: str = "",
         tenant_weight: float = 1.0,
         embed: bool = False,
+        forward: Callable[[RequestOutput], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs until the request finishes (`embed`: one output, the
-        finished request with its `embedding`; see make_request_group). ValueError on bad input
-        (an unknown or invalid adapter included); RequestFailedError when the engine
-        ends the request early; EngineRestartedError / EngineDeadError when the engine
-        restarts or dies under it. `adapter`: a registered name, an adapter folder or a
-        loaded adapter; None runs the base model. `cache_salt`, `tenant` and
-        `tenant_weight`: see make_request_group."""
+        """Yields the request's outputs until it finishes, cumulative or deltas as
+        `params.output_kind` says (`embed`: one output, the finished request with its
+        `embedding`; see make_request_group). ValueError on bad input (an unknown or
+        invalid adapter included); RequestFailedError when the engine ends the request
+        early; EngineRestartedError / EngineDeadError when the engine restarts or dies
+        under it. `adapter`: a registered name, an adapter folder or a loaded adapter;
+        None runs the base model. `cache_salt`, `tenant` and `tenant_weight`: see
+        make_request_group.
+
+        `forward`: the iterator yields only the first output and the last; every output
+        between them goes to `forward`, called on this event loop as the step's outputs
+        arrive (no wake-up of the consumer per step). An exception it raises ends the
+        request: the iterator raises it."""
         self.check_health()
         if self._sleeping:
             raise EngineAsleepError("the model is asleep (its memory is lent out); retry later")
@@ -286,23 +351,21 @@ class AsyncEngine:
             tenant_weight=tenant_weight,
             embed=embed,
         )
-        stream = _Stream(asyncio.get_running_loop())
+        self._requests_started += 1
+        coalescing = _Coalescing(self._messages_per_step, self._requests_started)
+        stream = _Stream(asyncio.get_running_loop(), params.output_kind, coalescing, forward)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self._send(_Add(group))
-        self._requests_started += 1
-        coalescing = _Coalescing(self._messages_per_step, self._requests_started)
         finished = False
         try:
             while not finished:
-                output = await stream.newest()
+                output = await stream.next()
                 finished = output.finished
                 if output.error is not None:
                     raise RequestFailedError(output.error)
-                if coalescing.holds_back(finished, self._outputs_per_step):
-                    continue
                 yield output
         finally:
             with self._lock:
@@ -624,7 +687,6 @@ class AsyncEngine:
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs reach their streams in one callback per event loop (not one
         wake-up per request): the consumers' loop and this thread share one GIL."""
-        self._outputs_per_step = len(outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._lock:
             for output in outputs:
@@ -632,7 +694,7 @@ class AsyncEngine:
                 if stream is not None:
                     by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(_put_all, items, len(outputs))
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:

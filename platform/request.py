@@ -25,6 +25,10 @@ SEED_LIMIT = 2**64
 MAX_LOGPROBS = 20
 """The most top alternatives `logprobs` and `prompt_logprobs` may ask for."""
 
+CUMULATIVE, DELTA = "cumulative", "delta"
+OUTPUT_KINDS = (CUMULATIVE, DELTA)
+"""`SamplingParams.output_kind`: what a request's outputs hold (RequestOutput)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,7 +47,9 @@ class SamplingParams:
     (id, bias) pairs; kept as pairs sorted by id). `min_tokens`: until this many tokens
     were generated, EOS and `stop_token_ids` cannot be sampled and stop strings are not
     looked for (vLLM's rule). `guided`: the output must spell what the spec describes
-    (platform/guided.py); the completion ends once it is complete.
+    (platform/guided.py); the completion ends once it is complete. `output_kind`: what
+    each of the request's outputs holds (`CUMULATIVE`: everything so far; `DELTA`: only
+    what is new since the request's previous output, see RequestOutput).
     """
 
     n: int = 1
@@ -66,6 +72,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     guided: GuidedSpec | None = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,6 +107,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.seed is not None and not SEED_MIN <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_LIMIT}), got {self.seed}")
 
@@ -319,7 +328,14 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """What a caller gets for one prompt. `.token_ids` / `.text` are the first
-    completion's, for the common n == 1 case."""
+    completion's, for the common n == 1 case.
+
+    Of a CUMULATIVE request (`SamplingParams.output_kind`), each output holds every
+    completion whole so far. Of a DELTA request, each holds what is new since the
+    request's previous output: a completion's new text, token ids and logprobs, listed
+    only when it gained something or ended (once: an ended completion is not listed
+    again), and the prompt's logprobs only in the first output that carries a token.
+    `merge_outputs` joins consecutive outputs of either kind."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -342,3 +358,43 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.outputs[0].text
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput, kind: str) -> RequestOutput:
+    """Semantics: one output equal to `older` followed by `newer`, two consecutive
+    outputs of the same request of `kind` (its `SamplingParams.output_kind`). CUMULATIVE:
+    `newer` (it contains `older`). DELTA: each completion's text, token ids and logprobs
+    concatenated in order, its finish from `newer` when that lists it; the request's
+    state (finished, cached tokens, error, embedding) from `newer`, the prompt's
+    logprobs from whichever carries them."""
+    if kind == CUMULATIVE:
+        return newer
+    completions = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        before = completions.get(c.index)
+        if before is None:
+            completions[c.index] = c
+            continue
+        logprobs = None
+        if before.logprobs is not None or c.logprobs is not None:
+            logprobs = [*(before.logprobs or ()), *(c.logprobs or ())]
+        completions[c.index] = CompletionOutput(
+            c.index,
+            before.text + c.text,
+            before.token_ids + c.token_ids,
+            c.finish_reason,
+            c.stop_reason,
+            logprobs,
+        )
+    return RequestOutput(
+        request_id=newer.request_id,
+        prompt_token_ids=newer.prompt_token_ids,
+        outputs=sorted(completions.values(), key=lambda c: c.index),
+        finished=newer.finished,
+        num_cached_tokens=newer.num_cached_tokens,
+        error=newer.error or older.error,
+        prompt_logprobs=older.prompt_logprobs
+        if older.prompt_logprobs is not None
+        else newer.prompt_logprobs,
+        embedding=newer.embedding,
+    )

@@ -459,6 +459,47 @@ def test_coalesced_streams_lose_and_repeat_nothing(llm):
     assert_no_leak(llm.engine)
 
 
+def test_forwarded_outputs_are_the_ones_between_the_first_and_the_last(llm):
+    """With `forward`, the iterator yields a DELTA request's first output and its last,
+    and `forward` gets every one between them: all of them joined in that order equal
+    the engine's greedy output. A `forward` that raises ends the request with its error
+    and frees its blocks."""
+    from loraplex.platform.request import DELTA, merge_outputs
+
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=DELTA)
+    (expected,) = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
+    engine = AsyncEngine(llm.engine)
+
+    async def scenario():
+        forwarded = []
+        yielded = [o async for o in engine.generate(prompt, params, forward=forwarded.append)]
+        assert len(yielded) == 2 and yielded[-1].finished and len(forwarded) == 6
+        joined = yielded[0]
+        for output in [*forwarded, yielded[1]]:
+            joined = merge_outputs(joined, output, DELTA)
+        assert joined.token_ids == expected.token_ids and joined.text == expected.text
+
+        def refuse(output):
+            raise RuntimeError("the channel is gone")
+
+        with pytest.raises(RuntimeError, match="the channel is gone"):
+            async for _ in engine.generate(prompt, params, request_id="refused", forward=refuse):
+                pass
+        for _ in range(100):
+            if not llm.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.02)
+
+    try:
+        asyncio.run(scenario())
+        assert_no_leak(llm.engine)
+    finally:
+        engine.shutdown()
+
+
 def test_the_server_facing_api_reads_the_engine(llm):
     """What the model deployment reads through AsyncEngine instead of reaching into
     engine internals: limits, prompt ids (text, ids, chat), stats, a snapshot."""

@@ -513,12 +513,9 @@ class ModelServer:
                 503, refusal.message, retry_after_s=refusal.retry_after_s, code=OVERLOADED
             )
             return
-
-        def first_token() -> None:
-            builder.first_token_s = time.perf_counter() - started
-            self.admission.started(call.request_id)
-
-        builder = StepBuilder(self.token_texts, first_token)
+        builder = StepBuilder(
+            self.token_texts, started, functools.partial(self.admission.started, call.request_id)
+        )
         try:
             lora = await self._adapter_for_call()
             if lora is not None and lora.tokenizer is not None:
@@ -680,16 +677,20 @@ class FrameChannelClosed(RuntimeError):
 
 class StepBuilder:
     """Turns a DELTA request's outputs (platform/request.py RequestOutput) into the
-    wire's StreamSteps, counting what the call generated; `on_first_token` runs once,
-    when the first generated token arrives."""
+    wire's StreamSteps, counting what the call generated. When the first generated token
+    arrives it records `first_token_s` (seconds since `started`, a perf_counter time) and
+    runs `on_first_token` once."""
 
-    def __init__(self, texts: TokenTexts, on_first_token: Callable[[], None]) -> None:
+    def __init__(
+        self, texts: TokenTexts, started: float, on_first_token: Callable[[], None]
+    ) -> None:
         self.texts = texts
         self.worst_case_tokens = 0
         self.prompt_tokens = 0
         self.num_tokens = 0
         """Tokens generated so far over every completion."""
         self.first_token_s: float | None = None
+        self._started = started
         self._on_first_token = on_first_token
 
     def step(self, output: RequestOutput) -> StreamStep:
@@ -705,6 +706,7 @@ class StepBuilder:
                 )
             )
         if new_tokens and not self.num_tokens:
+            self.first_token_s = time.perf_counter() - self._started
             self._on_first_token()
         self.num_tokens += new_tokens
         self.prompt_tokens = len(output.prompt_token_ids)

@@ -184,14 +184,12 @@ class _Stream:
         one); with it, the first and the last are kept apart, since the outputs between
         them went out through `forward`."""
         item = await self.queue.get()
-        while self.forward is None and not self.queue.empty():
-            if isinstance(item, BaseException):
-                break
+        merging = self.forward is None
+        while merging and not isinstance(item, BaseException) and not self.queue.empty():
             newer = self.queue.get_nowait()
-            if isinstance(newer, BaseException):
-                item = newer
-            else:
-                item = merge_outputs(item, newer, self.kind)
+            item = (
+                newer if isinstance(newer, BaseException) else merge_outputs(item, newer, self.kind)
+            )
         if isinstance(item, BaseException):
             raise item
         return item

@@ -56,7 +56,12 @@ def push_adapter(
     from ray import serve
 
     arrays = {key: _as_numpy(value) for key, value in state_dict.items()}
-    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app)
+    # The weights go by object reference, so the call is a Ray actor call even where
+    # the app's calls default to Serve's gRPC transport (serve_config.yaml), whose
+    # messages are capped at 4 MiB and carry no object references.
+    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app).options(
+        _by_reference=True
+    )
     card = handle.push_adapter.remote(tenant, base, name, ray.put(arrays), _config_dict(config))
     return card.result()
 

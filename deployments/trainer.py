@@ -57,8 +57,9 @@ def push_adapter(
 
     arrays = {key: _as_numpy(value) for key, value in state_dict.items()}
     # The weights go by object reference, so the call is a Ray actor call even where
-    # the app's calls default to Serve's gRPC transport (serve_config.yaml), whose
-    # messages are capped at 4 MiB and carry no object references.
+    # the app's calls default to Serve's gRPC transport (serve_config.yaml): that would
+    # pickle the reference out of band, which pins the weights in the object store for
+    # the life of the calling process.
     handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=app).options(
         _by_reference=True
     )

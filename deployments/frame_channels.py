@@ -20,6 +20,7 @@ import hmac
 import itertools
 import logging
 import secrets
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -130,26 +131,41 @@ class CallSteps:
 
 
 class FrameChannels:
-    """This ingress replica's frame listener (started on first use) and its calls."""
+    """This ingress replica's frame listeners (started on first use) and its calls.
 
-    def __init__(self, host: str, on_frame: Callable[[int], None] | None = None) -> None:
-        """`on_frame(entries)`: called for every frame received (metrics)."""
+    Model replicas on other nodes connect over TCP; on Linux, those on this replica's
+    own node (`node_id`) connect to a Unix socket instead, which costs the kernel less
+    per frame than a loopback TCP connection (no TCP and IP stack on either side)."""
+
+    def __init__(
+        self, host: str, on_frame: Callable[[int], None] | None = None, node_id: str = ""
+    ) -> None:
+        """`on_frame(entries)`: called for every frame received (metrics). `node_id`:
+        the Ray node this replica runs on ("" off Ray: TCP only)."""
         self._host = host
         self._on_frame = on_frame
+        self._node_id = node_id
         self._token = secrets.token_hex(16)
-        self._server: asyncio.Server | None = None
-        self._starting: asyncio.Future[asyncio.Server] | None = None
+        self._starting: asyncio.Future[FrameChannelAddress] | None = None
+        self._servers: list[asyncio.Server] = []
         self._calls: dict[int, CallSteps] = {}
         self._keys = itertools.count(1)
 
     async def address(self) -> FrameChannelAddress:
         if self._starting is None:
-            self._starting = asyncio.ensure_future(
-                asyncio.start_server(self._serve_replica, self._host, 0)
-            )
-        server = await asyncio.shield(self._starting)
-        port = server.sockets[0].getsockname()[1]
-        return FrameChannelAddress(self._host, port, self._token)
+            self._starting = asyncio.ensure_future(self._listen())
+        return await asyncio.shield(self._starting)
+
+    async def _listen(self) -> FrameChannelAddress:
+        tcp = await asyncio.start_server(self._serve_replica, self._host, 0)
+        self._servers.append(tcp)
+        port = tcp.sockets[0].getsockname()[1]
+        unix_path = ""
+        if self._node_id and sys.platform == "linux":
+            # An abstract name: no file to clean up, gone with the process.
+            unix_path = f"\0loraplex-frames-{secrets.token_hex(16)}"
+            self._servers.append(await asyncio.start_unix_server(self._serve_replica, unix_path))
+        return FrameChannelAddress(self._host, port, self._token, self._node_id, unix_path)
 
     def new_key(self) -> int:
         return next(self._keys)

@@ -8,8 +8,9 @@ runs. The engine hands a step's outputs to every request on the replica's event 
 in one callback, and each call's task runs before the sender's wake-up, so a step
 becomes one frame per ingress replica, whatever the number of streams.
 
-An outbox connects on its first call (a call whose ingress cannot be reached streams on
-its own Ray stream instead) and closes when no call has used it for `idle_close_s`, or
+An outbox connects on its first call, to the ingress's Unix socket when both replicas
+are on the same node and over TCP otherwise (a call whose ingress cannot be reached
+streams on its own Ray stream instead) and closes when no call has used it for `idle_close_s`, or
 when its socket fails: the calls it still carried then end with a 503 on their own
 streams, since what was buffered on a broken socket is lost.
 """
@@ -41,6 +42,7 @@ class FrameOutbox:
         self,
         address: FrameChannelAddress,
         replica: str,
+        node_id: str,
         idle_close_s: float,
         on_close: Callable[[FrameOutbox], None],
     ) -> None:
@@ -49,6 +51,7 @@ class FrameOutbox:
         self.live = 0
         """Calls using this outbox now."""
         self._replica = replica
+        self._node_id = node_id
         self._idle_close_s = idle_close_s
         self._on_close = on_close
         self._entries: list[tuple[int, FrameItem]] = []
@@ -77,11 +80,23 @@ class FrameOutbox:
         if self.live == 0:
             self._wakeup.set()
 
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The ingress's Unix socket when it is on this node (TCP if that fails)."""
+        address = self.address
+        if address.unix_path and self._node_id and address.node_id == self._node_id:
+            try:
+                return await asyncio.wait_for(
+                    asyncio.open_unix_connection(address.unix_path), CONNECT_TIMEOUT_S
+                )
+            except (OSError, asyncio.TimeoutError) as exc:
+                logger.warning("frame channel's Unix socket unreachable (%s); trying TCP", exc)
+        return await asyncio.wait_for(
+            asyncio.open_connection(address.host, address.port), CONNECT_TIMEOUT_S
+        )
+
     async def _connect(self) -> bool:
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.address.host, self.address.port), CONNECT_TIMEOUT_S
-            )
+            reader, writer = await self._open()
         except (OSError, asyncio.TimeoutError) as exc:
             logger.warning(
                 "frame channel to %s:%d unreachable (%s); its calls stream on their own",
@@ -160,8 +175,10 @@ class FrameOutbox:
 class FrameOutboxes:
     """This replica's outboxes, one per ingress replica its calls came from."""
 
-    def __init__(self, replica: str, idle_close_s: float = IDLE_CLOSE_S) -> None:
+    def __init__(self, replica: str, node_id: str = "", idle_close_s: float = IDLE_CLOSE_S) -> None:
+        """`node_id`: the Ray node this replica runs on ("" off Ray: TCP only)."""
         self._replica = replica
+        self._node_id = node_id
         self._idle_close_s = idle_close_s
         self._open: dict[FrameChannelAddress, FrameOutbox] = {}
 
@@ -170,7 +187,9 @@ class FrameOutboxes:
         must `call_ended` it); None when the ingress cannot be reached."""
         outbox = self._open.get(address)
         if outbox is None:
-            outbox = FrameOutbox(address, self._replica, self._idle_close_s, self._forget)
+            outbox = FrameOutbox(
+                address, self._replica, self._node_id, self._idle_close_s, self._forget
+            )
             self._open[address] = outbox
         outbox.live += 1
         if await outbox.connected() and not outbox.closed:

@@ -579,7 +579,11 @@ class OpenAIIngress:
                 config.ingress.graceful_shutdown_timeout_s,
             )
         self.frames = (
-            FrameChannels(ray.util.get_node_ip_address(), self.metrics.record_frame)
+            FrameChannels(
+                ray.util.get_node_ip_address(),
+                self.metrics.record_frame,
+                ray.get_runtime_context().get_node_id(),
+            )
             if config.ingress.frame_channel
             else None
         )

@@ -227,7 +227,7 @@ class ModelServer:
         replica = self.place.replica_id()
         self.replica_id = replica
         self.metrics = EngineMetrics(config.name, replica)
-        self.outboxes = FrameOutboxes(replica)
+        self.outboxes = FrameOutboxes(replica, self.place.node_id())
         self.memory = ProcessMemory(model_deployment_name(config.name), replica)
         self.admission = AdmissionControl(
             config.admission_max_wait_s,

@@ -22,12 +22,17 @@ from loraplex.platform.request import SamplingParams
 
 @dataclass(frozen=True)
 class FrameChannelAddress:
-    """Where an ingress replica takes frames: a TCP listener, and the secret a model
-    replica proves it is one of the app's own with (its first line on the socket)."""
+    """Where an ingress replica takes frames: a TCP listener, on Linux also a Unix
+    socket for model replicas on its own node, and the secret a model replica proves it
+    is one of the app's own with (its first line on the socket)."""
 
     host: str
     port: int
     token: str
+    node_id: str = ""
+    """The Ray node the ingress replica runs on ("" off Ray)."""
+    unix_path: str = ""
+    """Its Unix socket (an abstract name), "" when it has none."""
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,22 @@
 the frame encoding round trip, then a real ModelServer (a tiny engine, no Serve) whose
 calls' later steps travel over a real socket to an ingress-side listener: the items
 equal the calls' own streams, a step is one frame for every call, a cancelled call
-frees its KV blocks while the others finish, and a channel that breaks fails exactly
-the calls it carried."""
+frees its KV blocks while the others finish, a channel that breaks fails exactly
+the calls it carried, and a model replica on the ingress's node connects over its Unix
+socket."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
+import sys
 
 import msgpack
 import pytest
 
 from loraplex.deployments.frame_channels import CallSteps, FrameChannelLost, FrameChannels
+from loraplex.deployments.frame_outbox import FrameOutboxes
 from loraplex.deployments.logprobs import TokenLogprob
 from loraplex.deployments.step_frames import (
     CALL_END,
@@ -211,3 +215,40 @@ def test_a_broken_channel_fails_the_calls_it_carried_and_nothing_else(server):
             assert outcome[-1].status == 503
     assert sum(d.num_new_tokens for step in after for d in step.deltas) == 8
     assert server.engine.snapshot().block_refs == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="abstract Unix socket names are Linux's")
+def test_a_replica_on_the_ingress_node_connects_over_its_unix_socket():
+    """The same node: the ingress's Unix socket; another node: TCP. Both carry frames
+    (the listener counts a frame before it looks for the calls it names)."""
+
+    async def scenario():
+        frames: list[int] = []
+        channels = FrameChannels("127.0.0.1", frames.append, node_id="node-a")
+        address = await channels.address()
+        families = {}
+        for node in ("node-a", "node-b"):
+            outbox = await FrameOutboxes(f"replica-on-{node}", node_id=node).open(address)
+            assert outbox is not None
+            families[node] = outbox._writer.get_extra_info("socket").family
+            count = len(frames)
+            outbox.put(1, CALL_END)
+            for _ in range(200):
+                if len(frames) > count:
+                    break
+                await asyncio.sleep(0.01)
+            outbox.call_ended()
+        return address, families, frames
+
+    address, families, frames = asyncio.run(scenario())
+    assert address.node_id == "node-a" and address.unix_path.startswith("\0")
+    assert families == {"node-a": socket.AF_UNIX, "node-b": socket.AF_INET}
+    assert frames == [1, 1]
+
+
+def test_a_listener_off_ray_has_no_unix_socket():
+    async def scenario():
+        return await FrameChannels("127.0.0.1").address()
+
+    address = asyncio.run(scenario())
+    assert address.unix_path == "" and address.node_id == ""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 
 from loraplex.deployments.step_frames import (
@@ -84,11 +85,18 @@ class FrameOutbox:
         """The ingress's Unix socket when it is on this node (TCP if that fails)."""
         address = self.address
         if address.unix_path and self._node_id and address.node_id == self._node_id:
+            # Connected here and handed over: uvloop (Serve's loop) cannot connect to an
+            # abstract name itself.
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
             try:
-                return await asyncio.wait_for(
-                    asyncio.open_unix_connection(address.unix_path), CONNECT_TIMEOUT_S
+                await asyncio.wait_for(
+                    asyncio.get_running_loop().sock_connect(sock, address.unix_path),
+                    CONNECT_TIMEOUT_S,
                 )
+                return await asyncio.open_unix_connection(sock=sock)
             except (OSError, asyncio.TimeoutError) as exc:
+                sock.close()
                 logger.warning("frame channel's Unix socket unreachable (%s); trying TCP", exc)
         return await asyncio.wait_for(
             asyncio.open_connection(address.host, address.port), CONNECT_TIMEOUT_S

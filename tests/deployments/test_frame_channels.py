@@ -15,6 +15,7 @@ import sys
 
 import msgpack
 import pytest
+import uvloop
 
 from loraplex.deployments.frame_channels import CallSteps, FrameChannelLost, FrameChannels
 from loraplex.deployments.frame_outbox import FrameOutboxes
@@ -218,9 +219,11 @@ def test_a_broken_channel_fails_the_calls_it_carried_and_nothing_else(server):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="abstract Unix socket names are Linux's")
-def test_a_replica_on_the_ingress_node_connects_over_its_unix_socket():
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_replica_on_the_ingress_node_connects_over_its_unix_socket(loop):
     """The same node: the ingress's Unix socket; another node: TCP. Both carry frames
-    (the listener counts a frame before it looks for the calls it names)."""
+    (the listener counts a frame before it looks for the calls it names). Under uvloop
+    too, which Serve's replicas run on."""
 
     async def scenario():
         frames: list[int] = []
@@ -240,7 +243,8 @@ def test_a_replica_on_the_ingress_node_connects_over_its_unix_socket():
             outbox.call_ended()
         return address, families, frames
 
-    address, families, frames = asyncio.run(scenario())
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    address, families, frames = run(scenario())
     assert address.node_id == "node-a" and address.unix_path.startswith("\0")
     assert families == {"node-a": socket.AF_UNIX, "node-b": socket.AF_INET}
     assert frames == [1, 1]

@@ -163,8 +163,12 @@ class FrameChannels:
         unix_path = ""
         if self._node_id and sys.platform == "linux":
             # An abstract name: no file to clean up, gone with the process.
-            unix_path = f"\0loraplex-frames-{secrets.token_hex(16)}"
-            self._servers.append(await asyncio.start_unix_server(self._serve_replica, unix_path))
+            name = f"\0loraplex-frames-{secrets.token_hex(16)}"
+            try:
+                self._servers.append(await asyncio.start_unix_server(self._serve_replica, name))
+                unix_path = name
+            except OSError as exc:
+                logger.warning("no Unix socket for frames (%s); model replicas use TCP", exc)
         return FrameChannelAddress(self._host, port, self._token, self._node_id, unix_path)
 
     def new_key(self) -> int:

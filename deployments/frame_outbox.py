@@ -8,11 +8,11 @@ runs. The engine hands a step's outputs to every request on the replica's event 
 in one callback, and each call's task runs before the sender's wake-up, so a step
 becomes one frame per ingress replica, whatever the number of streams.
 
-An outbox connects on its first call, to the ingress's Unix socket when both replicas
-are on the same node and over TCP otherwise (a call whose ingress cannot be reached
-streams on its own Ray stream instead) and closes when no call has used it for `idle_close_s`, or
-when its socket fails: the calls it still carried then end with a 503 on their own
-streams, since what was buffered on a broken socket is lost.
+An outbox connects on its first call: to the ingress's Unix socket when both replicas
+are on the same node, over TCP otherwise (a call whose ingress cannot be reached
+streams on its own Ray stream instead). It closes when no call has used it for
+`idle_close_s`, or when its socket fails: the calls it still carried then end with a
+503 on their own streams, since what was buffered on a broken socket is lost.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class FrameOutbox:
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """The ingress's Unix socket when it is on this node (TCP if that fails)."""
         address = self.address
-        if address.unix_path and self._node_id and address.node_id == self._node_id:
+        if address.unix_path and address.node_id == self._node_id:
             # Connected here and handed over: uvloop (Serve's loop) cannot connect to an
             # abstract name itself.
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1140,6 +1140,9 @@ void rotary_write_kv(Tensor q, Tensor k, const Tensor& v, const Tensor& cos, con
 constexpr int64_t kLoraItem = 64;
 constexpr int64_t kLoraBlock = 8;
 constexpr int64_t kLoraChunk = 32;
+// A rows per shrink tile: kLoraBlock x kLoraShrinkRows accumulators, kLoraShrinkRows A
+// loads and kLoraBlock x loads, in 28 of AVX-512's 32 vector registers.
+constexpr int64_t kLoraShrinkRows = 3;
 // How far ahead the LoRA kernel asks for its slots' weights: A rows run on into the next
 // rows (an adapter's rows are contiguous), B columns into the chunks after this one. A
 // step's adapters come from memory (30 layers of 8 slots outgrow the caches): asking
@@ -1147,18 +1150,20 @@ constexpr int64_t kLoraChunk = 32;
 constexpr int64_t kLoraPrefetchFloats = 512;
 constexpr int64_t kLoraPrefetchChunks = 4;
 
-// acc[i][j] += sum_r y[i * y_stride + r] * columns[r * column_stride + j] for a full
-// kLoraBlock x kLoraChunk tile: constant trip counts let the compiler keep the tile in
-// vector registers across the whole rank loop.
-inline void expand_block_full(float (&acc)[kLoraBlock][kLoraChunk], const float* y,
-                              int64_t y_stride, const float* columns, int64_t column_stride,
-                              int64_t used) {
+// For a full kLoraBlock x kLoraChunk tile: acc[i][j] = sum_r y[i * y_stride + r] *
+// columns[r * column_stride + j], summed in r's order from 0 with fused multiply-adds,
+// then out[i * out_stride + j] = T(out + T(acc)). With AVX-512 the tile stays in vector
+// registers from the first product to the store (constant trip counts); the partial
+// tiles of the kernel compute the same sums and roundings one lane at a time.
+template <typename T>
+inline void expand_block_add(T* out, int64_t out_stride, const float* y, int64_t y_stride,
+                             const float* columns, int64_t column_stride, int64_t used) {
 #if defined(__AVX512F__)
   static_assert(kLoraChunk == 32, "two 16-float vectors per row");
   __m512 lo[kLoraBlock], hi[kLoraBlock];
   for (int64_t i = 0; i < kLoraBlock; ++i) {
-    lo[i] = _mm512_loadu_ps(acc[i]);
-    hi[i] = _mm512_loadu_ps(acc[i] + 16);
+    lo[i] = _mm512_setzero_ps();
+    hi[i] = _mm512_setzero_ps();
   }
   for (int64_t r = 0; r < used; ++r) {
     const float* column = columns + r * column_stride;
@@ -1170,10 +1175,12 @@ inline void expand_block_full(float (&acc)[kLoraBlock][kLoraChunk], const float*
     }
   }
   for (int64_t i = 0; i < kLoraBlock; ++i) {
-    _mm512_storeu_ps(acc[i], lo[i]);
-    _mm512_storeu_ps(acc[i] + 16, hi[i]);
+    T* row = out + i * out_stride;
+    store16(row, _mm512_add_ps(load16(row), round16<T>(lo[i])));
+    store16(row + 16, _mm512_add_ps(load16(row + 16), round16<T>(hi[i])));
   }
 #else
+  float acc[kLoraBlock][kLoraChunk] = {};
   for (int64_t r = 0; r < used; ++r) {
     const float* column = columns + r * column_stride;
     for (int64_t i = 0; i < kLoraBlock; ++i) {
@@ -1184,62 +1191,98 @@ inline void expand_block_full(float (&acc)[kLoraBlock][kLoraChunk], const float*
       }
     }
   }
+  for (int64_t i = 0; i < kLoraBlock; ++i) {
+    T* row = out + i * out_stride;
+#pragma omp simd
+    for (int64_t j = 0; j < kLoraChunk; ++j) {
+      store_f(row + j, round_to<T>(load_f(row + j) + round_to<T>(acc[i][j])));
+    }
+  }
 #endif
 }
 
-// y[i * y_stride] = row . xs[i] for the N <= kLoraBlock token rows xs. With AVX-512 the
-// N dot products run side by side, one accumulator each (N is a compile-time constant so
-// they stay in registers), so none waits on its own previous sum; each A row is loaded
-// once for all of them. A token's sum is computed the same way whatever N is, so a
-// result never depends on the rest of the batch.
-template <int64_t N>
-void shrink_row(const float* row, const float* const* xs, int64_t in_features, float* y,
-                int64_t y_stride) {
+// y[m + i * y_stride] = rows[m] . xs[i] for the M <= kLoraShrinkRows A rows (rows[m] at
+// row + m * row_stride) and the N <= kLoraBlock token rows xs. With AVX-512 the N x M dot
+// products run side by side, one accumulator each (N and M are compile-time constants so
+// they stay in registers): per 16 features M A loads and N x loads feed N * M fused
+// multiply-adds, and none waits on its own previous sum. Every dot is summed in the same
+// order (16 lanes along the features, the lanes' reduction, the scalar tail) whatever N
+// and M are, so a token's result never depends on the rest of the batch or the tiling.
+template <int64_t N, int64_t M>
+void shrink_tile(const float* row, int64_t row_stride, const float* const* xs,
+                 int64_t in_features, float* y, int64_t y_stride) {
 #if defined(__AVX512F__)
-  __m512 acc[N];
+  __m512 acc[N][M];
   for (int64_t i = 0; i < N; ++i) {
-    acc[i] = _mm512_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) {
+      acc[i][m] = _mm512_setzero_ps();
+    }
   }
   int64_t done = 0;
   for (; done + 16 <= in_features; done += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + done + kLoraPrefetchFloats), _MM_HINT_T0);
-    const __m512 a = _mm512_loadu_ps(row + done);
+    __m512 a[M];
+    for (int64_t m = 0; m < M; ++m) {
+      const float* rm = row + m * row_stride + done;
+      _mm_prefetch(reinterpret_cast<const char*>(rm + kLoraPrefetchFloats), _MM_HINT_T0);
+      a[m] = _mm512_loadu_ps(rm);
+    }
     for (int64_t i = 0; i < N; ++i) {
-      acc[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xs[i] + done), acc[i]);
+      const __m512 xi = _mm512_loadu_ps(xs[i] + done);
+      for (int64_t m = 0; m < M; ++m) {
+        acc[i][m] = _mm512_fmadd_ps(a[m], xi, acc[i][m]);
+      }
     }
   }
   for (int64_t i = 0; i < N; ++i) {
-    float dot = _mm512_reduce_add_ps(acc[i]);
-    for (int64_t k = done; k < in_features; ++k) {
-      dot = std::fma(row[k], xs[i][k], dot);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* rm = row + m * row_stride;
+      float dot = _mm512_reduce_add_ps(acc[i][m]);
+      for (int64_t k = done; k < in_features; ++k) {
+        dot = std::fma(rm[k], xs[i][k], dot);
+      }
+      y[i * y_stride + m] = dot;
     }
-    y[i * y_stride] = dot;
   }
 #else
   for (int64_t i = 0; i < N; ++i) {
     const float* xi = xs[i];
-    float dot = 0.0f;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* rm = row + m * row_stride;
+      float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t k = 0; k < in_features; ++k) {
-      dot += row[k] * xi[k];
+      for (int64_t k = 0; k < in_features; ++k) {
+        dot += rm[k] * xi[k];
+      }
+      y[i * y_stride + m] = dot;
     }
-    y[i * y_stride] = dot;
   }
 #endif
 }
 
-template <int64_t... Ns>
-void shrink_rows_of(std::integer_sequence<int64_t, Ns...>, int64_t n, const float* row,
-                    const float* const* xs, int64_t in_features, float* y,
-                    int64_t y_stride) {
-  ((n == Ns + 1 ? shrink_row<Ns + 1>(row, xs, in_features, y, y_stride) : void()), ...);
+template <int64_t M, int64_t... Ns>
+void shrink_tiles_of(std::integer_sequence<int64_t, Ns...>, int64_t n, const float* row,
+                     int64_t row_stride, const float* const* xs, int64_t in_features,
+                     float* y, int64_t y_stride) {
+  ((n == Ns + 1 ? shrink_tile<Ns + 1, M>(row, row_stride, xs, in_features, y, y_stride)
+                : void()),
+   ...);
 }
 
-// shrink_row for a runtime n in 1 .. kLoraBlock.
-inline void shrink_rows(int64_t n, const float* row, const float* const* xs,
-                        int64_t in_features, float* y, int64_t y_stride) {
-  shrink_rows_of(std::make_integer_sequence<int64_t, kLoraBlock>{}, n, row, xs, in_features,
-                 y, y_stride);
+// y[r + i * y_stride] = A row r . xs[i] for the `rows` A rows from `row` (row_stride
+// apart) and n in 1 .. kLoraBlock token rows, kLoraShrinkRows rows per tile.
+inline void shrink_rows(int64_t n, int64_t rows, const float* row, int64_t row_stride,
+                        const float* const* xs, int64_t in_features, float* y,
+                        int64_t y_stride) {
+  using Tokens = std::make_integer_sequence<int64_t, kLoraBlock>;
+  int64_t r = 0;
+  for (; r + kLoraShrinkRows <= rows; r += kLoraShrinkRows) {
+    shrink_tiles_of<kLoraShrinkRows>(Tokens{}, n, row + r * row_stride, row_stride, xs,
+                                     in_features, y + r, y_stride);
+  }
+  for (; r < rows; ++r) {
+    shrink_tiles_of<1>(Tokens{}, n, row + r * row_stride, row_stride, xs, in_features,
+                       y + r, y_stride);
+  }
 }
 
 // acc + y * column as the expand computes it: fused where the full tiles fuse it, so
@@ -1309,10 +1352,8 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
           xs[i] = as_floats(x_data + (first + b0 + i) * x.stride(0),
                             x_tmp.data() + i * in_features, in_features);
         }
-        for (int64_t r = 0; r < used; ++r) {
-          const float* row = a_data + slot * a_slot + r * a_row;
-          shrink_rows(n, row, xs, in_features, y.data() + b0 * width + r, width);
-        }
+        shrink_rows(n, used, a_data + slot * a_slot, a_row, xs, in_features,
+                    y.data() + b0 * width, width);
       }
       // Expand: out[first + i, o] += sum_r y[i, r] * B[slot, o, r], kLoraBlock tokens
       // at a time along their whole output rows (the rows stream through the cache in
@@ -1334,24 +1375,25 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
             }
           }
 #endif
-          float acc[kLoraBlock][kLoraChunk] = {};
+          T* out_block = out_data + (first + b0) * out.stride(0) + o0;
           if (m == kLoraBlock && n == kLoraChunk) {
-            expand_block_full(acc, yb + r0, width, b_slot_data + r0 * b_col + o0, b_col,
-                              r1 - r0);
-          } else {
-            for (int64_t r = r0; r < r1; ++r) {
-              const float* column = b_slot_data + r * b_col + o0;  // B[slot, o0 :, r]
-              for (int64_t i = 0; i < m; ++i) {
-                const float yr = yb[i * width + r];
+            expand_block_add(out_block, out.stride(0), yb + r0, width,
+                             b_slot_data + r0 * b_col + o0, b_col, r1 - r0);
+            continue;
+          }
+          float acc[kLoraBlock][kLoraChunk] = {};
+          for (int64_t r = r0; r < r1; ++r) {
+            const float* column = b_slot_data + r * b_col + o0;  // B[slot, o0 :, r]
+            for (int64_t i = 0; i < m; ++i) {
+              const float yr = yb[i * width + r];
 #pragma omp simd
-                for (int64_t j = 0; j < n; ++j) {
-                  acc[i][j] = expand_madd(yr, column[j], acc[i][j]);
-                }
+              for (int64_t j = 0; j < n; ++j) {
+                acc[i][j] = expand_madd(yr, column[j], acc[i][j]);
               }
             }
           }
           for (int64_t i = 0; i < m; ++i) {
-            T* ot = out_data + (first + b0 + i) * out.stride(0) + o0;
+            T* ot = out_block + i * out.stride(0);
 #pragma omp simd
             for (int64_t j = 0; j < n; ++j) {
               store_f(ot + j, round_to<T>(load_f(ot + j) + round_to<T>(acc[i][j])));

@@ -1326,10 +1326,16 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
   const float* b_data = lora_b.data_ptr<float>();
   const int64_t a_slot = lora_a.stride(0), a_row = lora_a.stride(1);
   const int64_t b_slot = lora_b.stride(0), b_col = lora_b.stride(2);
+  // Items of at most item_len tokens: a step whose tokens share few adapters (all of a
+  // decode batch on one) still gives every thread two items or more. Each thread then
+  // reads that slot's weights; a token's delta is the same whatever its item.
+  const int64_t per_thread = (tokens + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
+  const int64_t item_len = std::clamp((per_thread + kLoraBlock - 1) / kLoraBlock * kLoraBlock,
+                                      kLoraBlock, kLoraItem);
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t t = 0; t < tokens;) {
     int64_t end = t + 1;
-    while (end < tokens && end - t < kLoraItem && slots[end] == slots[t]) {
+    while (end < tokens && end - t < item_len && slots[end] == slots[t]) {
       ++end;
     }
     if (slots[t] >= 0) {

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ CASES = ("decode", "decode, one", "prefill")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="bf16")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--layers", type=int, default=30)
@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from loraplex.kernels import cpu_ops
+    from loraplex.platform.config import parse_dtype
 
     args = build_parser().parse_args(argv)
     if not cpu_ops.load():
@@ -191,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     shape = ModelShape(args.layers, args.hidden, args.intermediate, args.q_size, args.kv_size)
     stacks = slot_stacks(shape, args.slots, args.rank)
-    dtype = DTYPES[args.dtype]
+    dtype = parse_dtype(args.dtype)
     results = [run_case(name, args, stacks, dtype) for name in args.only or CASES]
     sys.stdout.write(format_report(results, args))
     return 0

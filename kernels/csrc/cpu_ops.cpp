@@ -1329,8 +1329,9 @@ void lora_add_kernel(Tensor& out, const Tensor& x, const Tensor& lora_a, const T
   // Items of at most item_len tokens: a step whose tokens share few adapters (all of a
   // decode batch on one) still gives every thread two items or more. Each thread then
   // reads that slot's weights; a token's delta is the same whatever its item.
-  const int64_t per_thread = (tokens + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
-  const int64_t item_len = std::clamp((per_thread + kLoraBlock - 1) / kLoraBlock * kLoraBlock,
+  const int64_t shares = 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t per_share = (tokens + shares - 1) / shares;
+  const int64_t item_len = std::clamp((per_share + kLoraBlock - 1) / kLoraBlock * kLoraBlock,
                                       kLoraBlock, kLoraItem);
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t t = 0; t < tokens;) {

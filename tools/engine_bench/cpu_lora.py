@@ -2,8 +2,8 @@
 
 Times one step's `lora_add` calls (kernels/cpu_ops.py) the way the decoder stack makes
 them: every layer has its own slot stacks for its four projections (q/k/v fused, o,
-gate/up fused, down), so a step reads each layer's slots from memory, not from a cache
-the previous call left warm. The torch path (kernels/lora.py `torch_add_lora`, grouped
+gate/up fused, down), laid out by the CPU backend's `lora_stack`, so a step reads each
+layer's slots from memory, not from a cache the previous call left warm. The torch path (kernels/lora.py `torch_add_lora`, grouped
 matmuls over the same slots) runs in the same process as the baseline, alternating with
 the native kernel, and the report gives native / torch.
 
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.kernels.lora import LoRAStack
+
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 
@@ -38,24 +40,13 @@ class ModelShape:
     kv_size: int
 
     def projections(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
-        """(in features, slice ends) of q/k/v, o, gate/up and down."""
-        qkv = (self.q_size, self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)
+        """(in features, output sizes) of q/k/v, o, gate/up and down."""
         return (
-            (self.hidden, qkv),
+            (self.hidden, (self.q_size, self.kv_size, self.kv_size)),
             (self.q_size, (self.hidden,)),
-            (self.hidden, (self.intermediate, 2 * self.intermediate)),
+            (self.hidden, (self.intermediate, self.intermediate)),
             (self.intermediate, (self.hidden,)),
         )
-
-
-@dataclass(frozen=True)
-class SlotStack:
-    in_features: int
-    slice_ends: tuple[int, ...]
-    lora_a: torch.Tensor
-    """[slots, slices * rank, in] fp32."""
-    lora_b: torch.Tensor
-    """[slots, out, slices * rank] fp32, rank-major (what the native kernel reads)."""
 
 
 @dataclass(frozen=True)
@@ -66,24 +57,29 @@ class CaseResult:
     torch_ms: float
 
 
-def slot_stacks(shape: ModelShape, slots: int, rank: int, seed: int = 0) -> list[SlotStack]:
-    """Every layer's four projections' slot stacks, block-diagonal B as the engine packs a
-    fused projection (slice i reads only its own rank columns)."""
+def slot_stacks(
+    shape: ModelShape, slots: int, rank: int, dtype: torch.dtype, seed: int = 0
+) -> list[LoRAStack]:
+    """Every layer's four projections' slot stacks as the CPU backend lays them out for a
+    `dtype` model (`lora_stack`: fp32 slots, B rank-major), each slot holding a random
+    rank-`rank` adapter packed as the slot manager packs one: slice i's outputs read
+    only its own rank columns of B."""
+    from loraplex.kernels.backends import get_backend
+
+    backend = get_backend("cpu")
     gen = torch.Generator().manual_seed(seed)
     stacks = []
     for _ in range(shape.layers):
-        for in_features, ends in shape.projections():
-            width = rank * len(ends)
-            lora_a = torch.randn(slots, width, in_features, generator=gen) * in_features**-0.5
-            lora_b = torch.zeros(slots, width, ends[-1])
+        for in_features, sizes in shape.projections():
+            stack = backend.lora_stack(slots, rank, in_features, sizes, dtype, torch.device("cpu"))
+            stack.a.copy_(torch.randn(stack.a.shape, generator=gen) * in_features**-0.5)
             start = 0
-            for index, end in enumerate(ends):
+            for index, end in enumerate(stack.slice_ends):
                 columns = slice(index * rank, (index + 1) * rank)
-                lora_b[:, columns, start:end] = torch.randn(
-                    slots, rank, end - start, generator=gen
-                ) * (rank**-0.5)
+                block = torch.randn(slots, end - start, rank, generator=gen) * rank**-0.5
+                stack.b[:, start:end, columns] = block
                 start = end
-            stacks.append(SlotStack(in_features, ends, lora_a, lora_b.transpose(1, 2)))
+            stacks.append(stack)
     return stacks
 
 
@@ -109,7 +105,7 @@ def median_ms(fn: Callable[[], None], rounds: int) -> float:
 
 
 def run_case(
-    name: str, args: argparse.Namespace, stacks: Sequence[SlotStack], dtype: torch.dtype
+    name: str, args: argparse.Namespace, stacks: Sequence[LoRAStack], dtype: torch.dtype
 ) -> CaseResult:
     from loraplex.kernels.lora import LoRABatch, cpu_add_lora, torch_add_lora
 
@@ -118,19 +114,19 @@ def run_case(
         slots, decodes, torch.device("cpu"), slot_ranks=[args.rank] * args.slots
     )
     gen = torch.Generator().manual_seed(1)
-    widths = {stack.in_features for stack in stacks} | {stack.slice_ends[-1] for stack in stacks}
+    widths = {stack.a.size(2) for stack in stacks} | {stack.slice_ends[-1] for stack in stacks}
     rows = {w: (torch.randn(len(slots), w, generator=gen) * 0.1).to(dtype) for w in widths}
     outs = {w: torch.zeros(len(slots), w, dtype=dtype) for w in widths}
 
     def native() -> None:
         for s in stacks:
-            out, x = outs[s.slice_ends[-1]], rows[s.in_features]
-            cpu_add_lora(out, x, s.lora_a, s.lora_b, batch, s.slice_ends)
+            out, x = outs[s.slice_ends[-1]], rows[s.a.size(2)]
+            cpu_add_lora(out, x, s.a, s.b, batch, s.slice_ends)
 
     def torch_path() -> None:
         for s in stacks:
-            out, x = outs[s.slice_ends[-1]], rows[s.in_features]
-            torch_add_lora(out, x, s.lora_a, s.lora_b, batch, len(s.slice_ends))
+            out, x = outs[s.slice_ends[-1]], rows[s.a.size(2)]
+            torch_add_lora(out, x, s.a, s.b, batch, len(s.slice_ends))
 
     native_times, torch_times = [], []
     for _ in range(args.rounds):
@@ -191,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write("the native CPU ops could not be built here; nothing to time\n")
         return 1
     shape = ModelShape(args.layers, args.hidden, args.intermediate, args.q_size, args.kv_size)
-    stacks = slot_stacks(shape, args.slots, args.rank)
     dtype = parse_dtype(args.dtype)
+    stacks = slot_stacks(shape, args.slots, args.rank, dtype)
     results = [run_case(name, args, stacks, dtype) for name in args.only or CASES]
     sys.stdout.write(format_report(results, args))
     return 0

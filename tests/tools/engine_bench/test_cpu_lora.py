@@ -35,16 +35,18 @@ TINY_ARGS = [
 ]
 
 
+@pytest.mark.skipif(not cpu_ops.load(), reason="the native CPU ops do not build here")
 def test_slot_stacks_are_block_diagonal_by_slice():
-    stacks = slot_stacks(TINY, slots=3, rank=4)
+    stacks = slot_stacks(TINY, slots=3, rank=4, dtype=torch.bfloat16)
     assert len(stacks) == 4 * TINY.layers
     qkv = stacks[0]
     assert qkv.slice_ends == (32, 48, 64)
-    assert qkv.lora_a.shape == (3, 12, 32) and qkv.lora_b.shape == (3, 64, 12)
-    assert qkv.lora_b.stride(1) == 1, "rank-major, as the native kernel reads B"
+    assert qkv.a.shape == (3, 12, 32) and qkv.b.shape == (3, 64, 12)
+    assert qkv.a.dtype == qkv.b.dtype == torch.float32, "fp32 slots for a bf16 model"
+    assert qkv.b.stride(1) == 1, "rank-major, as the native kernel reads B"
     for index, (start, end) in enumerate([(0, 32), (32, 48), (48, 64)]):
         own = slice(index * 4, (index + 1) * 4)
-        block = qkv.lora_b[:, start:end]
+        block = qkv.b[:, start:end]
         assert torch.count_nonzero(block[:, :, own]) == block[:, :, own].numel()
         assert torch.count_nonzero(block) == block[:, :, own].numel(), "zero off its block"
 
@@ -62,14 +64,14 @@ def test_cases_put_tokens_where_their_names_say():
 @pytest.mark.skipif(not cpu_ops.load(), reason="the native CPU ops do not build here")
 def test_both_paths_the_bench_times_add_the_same_delta():
     args = build_parser().parse_args(TINY_ARGS)
-    stack = slot_stacks(TINY, slots=3, rank=4)[2]
+    stack = slot_stacks(TINY, slots=3, rank=4, dtype=torch.float32)[2]
     slots, decodes = case_slots("prefill", args)
     batch = LoRABatch.from_token_slots(slots, decodes, torch.device("cpu"), slot_ranks=[4] * 3)
-    x = torch.randn(len(slots), stack.in_features)
+    x = torch.randn(len(slots), stack.a.size(2))
     native = torch.zeros(len(slots), stack.slice_ends[-1])
     reference = native.clone()
-    cpu_add_lora(native, x, stack.lora_a, stack.lora_b, batch, stack.slice_ends)
-    torch_add_lora(reference, x, stack.lora_a, stack.lora_b, batch, len(stack.slice_ends))
+    cpu_add_lora(native, x, stack.a, stack.b, batch, stack.slice_ends)
+    torch_add_lora(reference, x, stack.a, stack.b, batch, len(stack.slice_ends))
     assert torch.count_nonzero(native) > 0
     torch.testing.assert_close(native, reference, atol=1e-5, rtol=1e-5)
 

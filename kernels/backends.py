@@ -23,6 +23,13 @@ And of the LoRA ops (layout in lora.py):
         projection's weight dtype).
     add_lora(out, x, stack, batch): out [T, out] += each token's adapter delta of
         x [T, in], in place; nothing when the batch uses no adapter.
+    folds_lora_shrink(stack) -> whether a projection keeps `stack.a` as rows appended
+        to its weight (platform/layers/linear.py `fold_lora_shrink`), so that one
+        matmul gives its base output and every slot's shrink.
+    uses_folded_shrink(batch) -> whether a folded projection serves `batch` that way
+        (else it runs its weight rows alone, then `add_lora`).
+    expand_folded(out, shrunk, stack, batch): out [T, out] += each token's expand of
+        its own slot's shrink, shrunk [T, L, R] (every slot's); in place.
 
 Register another family with `@register_backend("name")`.
 """
@@ -42,8 +49,10 @@ from loraplex.kernels.lora import (
     LoRABatch,
     LoRAStack,
     cpu_add_lora,
+    foldable_shrink,
     torch_add_lora,
     triton_add_lora,
+    triton_expand_folded,
 )
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -93,6 +102,14 @@ class KernelBackend(Protocol):
 
     def add_lora(
         self, out: torch.Tensor, x: torch.Tensor, stack: LoRAStack, batch: LoRABatch
+    ) -> None: ...
+
+    def folds_lora_shrink(self, stack: LoRAStack) -> bool: ...
+
+    def uses_folded_shrink(self, batch: LoRABatch) -> bool: ...
+
+    def expand_folded(
+        self, out: torch.Tensor, shrunk: torch.Tensor, stack: LoRAStack, batch: LoRABatch
     ) -> None: ...
 
 
@@ -234,6 +251,19 @@ class TorchBackend:
     ) -> None:
         if not batch.empty:
             torch_add_lora(out, x, stack.a, stack.b, batch, stack.num_slices)
+
+    def folds_lora_shrink(self, stack: LoRAStack) -> bool:
+        """No folding: a CPU matmul's cost grows with every appended column, and the
+        slots may be wider than the weight (fp32 for a half model)."""
+        return False
+
+    def uses_folded_shrink(self, batch: LoRABatch) -> bool:
+        return False
+
+    def expand_folded(
+        self, out: torch.Tensor, shrunk: torch.Tensor, stack: LoRAStack, batch: LoRABatch
+    ) -> None:
+        raise NotImplementedError(f"the {self.name} backend folds no LoRA shrink")
 
 
 @register_backend("cpu")
@@ -409,6 +439,24 @@ class TritonBackend(TorchBackend):
     ) -> None:
         if not batch.empty:
             triton_add_lora(out, x, stack.a, stack.b, batch)
+
+    def folds_lora_shrink(self, stack: LoRAStack) -> bool:
+        """Folded when every slot's shrink is cheap enough to compute for every token
+        (`lora.foldable_shrink`): appending the A rows then costs a few percent of the
+        projection's matmul, against the shrink kernel's launch and its own pass over x
+        (H100, Llama-3.2-1B decode step: +24-40 us folded against +367-405 us as its
+        own matmuls, docs/benchmarks.md)."""
+        return foldable_shrink(stack.a)
+
+    def uses_folded_shrink(self, batch: LoRABatch) -> bool:
+        """Steps of segments alone: prefill steps, and a decode graph past `max_loras`
+        decodes (its segment table). BGMV decode tokens keep their own kernels."""
+        return batch.num_decode_tokens == 0 and batch.max_seg_len > 0
+
+    def expand_folded(
+        self, out: torch.Tensor, shrunk: torch.Tensor, stack: LoRAStack, batch: LoRABatch
+    ) -> None:
+        triton_expand_folded(out, shrunk, stack.b, batch)
 
 
 _PREFILL_LENS = "cpu_prefill_lens"

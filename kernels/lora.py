@@ -331,9 +331,34 @@ than the SGMV shrink with every slot in use."""
 
 
 def _dense_shrink_fits(x: torch.Tensor, lora_a: torch.Tensor) -> bool:
+    return x.shape[0] <= DENSE_SHRINK_MAX_TOKENS and foldable_shrink(lora_a)
+
+
+def foldable_shrink(lora_a: torch.Tensor) -> bool:
+    """Whether every slot's shrink may be computed for every token (a dense shrink, or
+    the slots' A rows appended to the projection's weight): at most
+    `DENSE_SHRINK_MAX_COLUMNS` stacked columns, in one contiguous block."""
     slots, rank, _ = lora_a.shape
-    return (
-        x.shape[0] <= DENSE_SHRINK_MAX_TOKENS
-        and slots * rank <= DENSE_SHRINK_MAX_COLUMNS
-        and lora_a.is_contiguous()
-    )
+    return slots * rank <= DENSE_SHRINK_MAX_COLUMNS and lora_a.is_contiguous()
+
+
+def triton_expand_folded(
+    out: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, batch: LoRABatch
+) -> None:
+    """GPU path after a folded shrink (platform/layers/linear.py `fold_lora_shrink`): the
+    projection's one matmul over its weight with every slot's A rows appended gave the
+    base output `out` and `shrunk`, every slot's shrink of every token; each token of a
+    segment adds its own slot's expand.
+
+    Semantics: out[t] += shrunk[t, s_t] @ lora_b[s_t].T for every token t of every
+    segment (slot s_t); other rows untouched. out [T, N] (rows may be strided),
+    shrunk [T, L, R] in out's dtype, lora_b [L, N, R]. Only for a batch with no BGMV
+    decode tokens (`batch.num_decode_tokens == 0`: prefill steps, and a decode graph's
+    segment table)."""
+    from loraplex.kernels import triton_lora
+
+    if batch.num_decode_tokens:
+        raise ValueError("a folded shrink serves segments only, not BGMV decode tokens")
+    if batch.max_seg_len:
+        segs = (batch.seg_starts, batch.seg_lens, batch.seg_slots, batch.max_seg_len)
+        triton_lora.sgmv_expand(shrunk, lora_b, *segs, out)

@@ -24,7 +24,9 @@ was captured). A step whose sequences all run the base model replays the base gr
 and pays no LoRA kernel. Decodes are ordered by adapter slot (model_runner.py), so
 each adapter's decodes are one run of rows. On the Triton kernels a bucket of at most
 `max_loras` decodes reads each token's adapter slot from `rows` (BGMV: every token
-reads its adapter's weights); a larger bucket reads a static segment table
+reads its adapter's weights); a larger bucket, and every bucket where the projections
+fold the LoRA shrink into their weights (`folded_shrink`, layers/linear.py: the shrink
+then costs no kernel), reads a static segment table
 
     segments [3, max_loras] int32    first row | rows | slot of each adapter's run
                                      (unused entries: 0 rows, slot -1)
@@ -115,10 +117,13 @@ class DecodeGraphs:
         max_batch: int,
         max_loras: int,
         kernels: str,
+        folded_shrink: bool = False,
     ) -> None:
         """`decode_logits`: the runner's decode forward (`ModelRunner.decode_logits`);
         `max_loras`: the engine's adapter slots (0: LoRA off, no LoRA graphs);
-        `kernels`: the kernel backend's name (segment tables on 'triton' only)."""
+        `kernels`: the kernel backend's name (segment tables on 'triton' only);
+        `folded_shrink`: the model's projections fold the LoRA shrink
+        (`layers.linear.folds_lora_shrink`), so every bucket reads the segment table."""
         self.decode_logits = decode_logits
         self.block_size = block_size
         self.device = device
@@ -126,6 +131,7 @@ class DecodeGraphs:
         self.with_lora = max_loras > 0
         self.max_loras = max_loras
         self.kernels = kernels
+        self.folded_shrink = folded_shrink
         largest = self.buckets[-1]
         width = -(-max_model_len // block_size)
         self._rows = torch.zeros(5, largest, dtype=torch.int64, device=self.device)
@@ -186,8 +192,9 @@ class DecodeGraphs:
         return self.decode_logits(rows[_IDS, :batch], rows[_POSITIONS, :batch], meta, lora_batch)
 
     def _uses_segments(self, batch: int) -> bool:
-        """SGMV over the segment table for this bucket (else BGMV per token)."""
-        return self.kernels == "triton" and batch > self.max_loras
+        """SGMV over the segment table for this bucket (else BGMV per token). The table
+        holds `max_loras` runs, as many as a step's decodes can use."""
+        return self.kernels == "triton" and (batch > self.max_loras or self.folded_shrink)
 
     def _lora_batch(self, batch: int) -> LoRABatch:
         """The LoRABatch a bucket's graph reads: its slots per token (BGMV), or on the

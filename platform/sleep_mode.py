@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loraplex.platform.layers.linear import MergedLinear
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,10 +69,16 @@ def restore_kv_caches(kv_caches: list[torch.Tensor], shapes: list[KVShape]) -> i
 def move_tensors(modules: list[nn.Module], device: torch.device) -> int:
     """Moves the parameters and buffers of `modules` to `device` in place (the modules
     and whoever holds them keep working with the moved tensors); host copies are pinned
-    so that waking copies at full bandwidth. Returns the bytes moved (0 when they are on
-    `device` already)."""
+    so that waking copies at full bandwidth. A projection whose LoRA shrink is folded
+    into its weight (layers/linear.py) is unfolded before its weight leaves, so the
+    folded tensor is freed, and folded again once its weight is back beside its slots.
+    Returns the bytes moved (0 when they are on `device` already)."""
     moved = 0
     pin = device.type == "cpu" and torch.cuda.is_available()
+    projections = [m for module in modules for m in module.modules() if isinstance(m, MergedLinear)]
+    for projection in projections:
+        if projection.weight.device != device:
+            projection.unfold_lora_shrink()
     for module in modules:
         for tensor in [*module.parameters(), *module.buffers()]:
             if tensor.device == device:
@@ -78,4 +86,7 @@ def move_tensors(modules: list[nn.Module], device: torch.device) -> int:
             copy = tensor.data.to(device)
             tensor.data = copy.pin_memory() if pin else copy
             moved += tensor.numel() * tensor.element_size()
+    for projection in projections:
+        if projection.lora is not None and projection.lora.a.device == projection.weight.device:
+            projection.fold_lora_shrink()
     return moved

@@ -3,12 +3,16 @@
 Fused projections (q/k/v, gate/up) are one matmul on CPU; `output_sizes` records
 each slice. With LoRA enabled a projection also holds a `LoRAStack` (its slots'
 adapter weights, in its kernel backend's layout) and adds each token's adapter delta
-after the base matmul through that backend.
+after the base matmul through that backend. Where the backend folds the shrink
+(`fold_lora_shrink`), the slots' A rows live right after the weight's rows in one
+tensor, and a step of adapter segments computes the base output and every slot's
+shrink in one matmul.
 Parameters are allocated uninitialized: every value comes from the checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -66,6 +70,9 @@ class MergedLinear(nn.Module):
         self.lora: LoRAStack | None = None
         self.lora_kernels: KernelBackend | None = None
         """The backend that allocated `lora` and adds its deltas."""
+        self.lora_fold: torch.Tensor | None = None
+        """[out_features + L * R, in_features]: `weight` as its first rows, every slot's
+        A (`lora.a`, [L, R, in]) as the rest, when the shrink is folded."""
         self.packed: PackedWeight | Int8Weight | Int4Weight | None = None
         """oneDNN copy of `weight` (CPU), made by `pack` once the weights are loaded, or
         its int8 form (`quantize`, or an int8 checkpoint's: `finish_int8_load`), or an
@@ -87,9 +94,29 @@ class MergedLinear(nn.Module):
         return tuple(starts)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        """x [T, in] -> [T, out]; adds each token's adapter delta when `lora` is given."""
+        """x [T, in] -> [T, out]; adds each token's adapter delta when `lora` is given
+        (rows strided by the folded width when the shrink is folded)."""
+        if self._folds(lora):
+            return self._folded_forward(x, lora)
         out = self._matmul(x, self.bias)
         self._add_lora(out, x, lora)
+        return out
+
+    def _folds(self, lora: LoRABatch | None) -> bool:
+        return (
+            lora is not None
+            and self.lora_fold is not None
+            and self.lora_kernels.uses_folded_shrink(lora)
+        )
+
+    def _folded_forward(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
+        """[x @ W.T | x @ A_l.T for every slot l] in one matmul, then each token's
+        expand of its own slot's columns into the first part."""
+        both = linear(x, self.lora_fold, None)
+        out = both[:, : self.out_features]
+        slots, width, _ = self.lora.a.shape
+        shrunk = both[:, self.out_features :].view(-1, slots, width)
+        self.lora_kernels.expand_folded(out, shrunk, self.lora, lora)
         return out
 
     def _add_lora(self, out: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None) -> None:
@@ -211,7 +238,47 @@ class MergedLinear(nn.Module):
             self.weight.device,
         )
         self.lora_kernels = backend
+        self.fold_lora_shrink()
         return self.lora
+
+    @torch.no_grad()
+    def fold_lora_shrink(self) -> bool:
+        """Where the backend folds this projection's shrink (and it has no bias and an
+        unquantized weight), moves `weight` and the slots' A into one tensor,
+        `lora_fold`, and makes both views of it (their values unchanged; the slot
+        manager writes A through `lora.a` as before); returns whether it did. Called
+        when LoRA is enabled, and again after `unfold_lora_shrink` and a move of the
+        weight (sleep mode)."""
+        foldable = (
+            self.lora is not None
+            and self.lora_fold is None
+            and self.bias is None
+            and self.packed is None
+            and self.lora_kernels.folds_lora_shrink(self.lora)
+        )
+        if not foldable:
+            return False
+        a = self.lora.a
+        slots, width, in_features = a.shape
+        rows = self.out_features
+        fold = torch.empty(
+            rows + slots * width, in_features, dtype=self.weight.dtype, device=self.weight.device
+        )
+        fold[:rows].copy_(self.weight)
+        fold[rows:].copy_(a.reshape(slots * width, in_features))
+        self.weight.data = fold[:rows]
+        self.lora = dataclasses.replace(self.lora, a=fold[rows:].view(slots, width, in_features))
+        self.lora_fold = fold
+        return True
+
+    @torch.no_grad()
+    def unfold_lora_shrink(self) -> None:
+        """The slots' A in a tensor of their own again; `weight` stays a view until it
+        is moved, after which nothing holds the folded tensor (sleep mode frees it)."""
+        if self.lora_fold is None:
+            return
+        self.lora = dataclasses.replace(self.lora, a=self.lora.a.clone())
+        self.lora_fold = None
 
     def lora_shard(
         self, index: int, a: torch.Tensor, b: torch.Tensor
@@ -254,6 +321,11 @@ class MergedLinear(nn.Module):
             f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
             f"bias={self.bias is not None}{ranges}"
         )
+
+
+def folds_lora_shrink(model: nn.Module) -> bool:
+    """Whether any projection of `model` folds its LoRA shrink into its weight."""
+    return any(isinstance(m, MergedLinear) and m.lora_fold is not None for m in model.modules())
 
 
 class Linear(MergedLinear):

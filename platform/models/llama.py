@@ -362,7 +362,8 @@ class LlamaForCausalLM(nn.Module):
             elif int8_checkpoint:
                 module.finish_int8_load(quantization, native)
             elif quantization is None:
-                module.pack()
+                if self.kernels != "triton":  # the Triton kernels run on a GPU (a CPU: tests)
+                    module.pack()
             else:
                 module.quantize(quantization, native, gains.get(module))
         if quantization is not None and quantize_lm_head:

@@ -6,7 +6,9 @@ On LORAPLEX_TEST_DEVICE=cuda the engine captures the graphs itself and every dec
 step replays one; on a CPU the same padded forward over the same buffers runs eagerly
 (`DecodeGraphs.run` before capture), attached to the engine by the test, through the
 native CPU kernels and through the Triton kernels (under the interpreter). Two adapter
-slots: a bucket of up to 2 decodes runs BGMV, a larger one SGMV over the segment table.
+slots: on the Triton kernels, whose projections fold the LoRA shrink into their weights,
+every bucket runs SGMV over the segment table (the shrink in the projection's matmul);
+without the fold a bucket of up to 2 decodes runs BGMV, a larger one SGMV.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from loraplex.kernels.selection import KERNEL_BACKEND_ENV
 from loraplex.platform.decode_graphs import BUCKETS, DecodeGraphs, buckets_up_to
+from loraplex.platform.layers.linear import folds_lora_shrink
 from loraplex.platform.llm import LLM
 from loraplex.platform.request import SamplingParams
 
@@ -113,6 +116,7 @@ def build(base, folders, mode: dict) -> LLM:
             max_batch=8,
             max_loras=engine.config.lora.max_loras,
             kernels=engine.kernel_backend,
+            folded_shrink=folds_lora_shrink(engine.runner.model),
         )
     return llm
 
@@ -135,6 +139,7 @@ def test_graph_decodes_match_peft(setup, mode, kernels, monkeypatch):
     assert not mismatches, f"requests {mismatches} differ from HF/PEFT ({mode})"
     engine = llm.engine
     assert engine.kernel_backend == kernels
+    assert engine.runner.graphs.folded_shrink == (kernels == "triton")
     sizes = engine.runner.graphs.sizes
     assert any(count < bucket for count, bucket in sizes), f"no padded batch ran: {sizes}"
     assert any(count >= 5 for count, _ in sizes), f"no wide decode batch ran: {sizes}"
@@ -142,6 +147,22 @@ def test_graph_decodes_match_peft(setup, mode, kernels, monkeypatch):
     assert engine.kv_cache.pool.num_free == engine.kv_cache.pool.num_blocks
     if mode == "preempt":
         assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_lone_adapter_decode_matches_peft(setup, kernels, monkeypatch):
+    """One sequence on an adapter: a bucket of 1 (BGMV, or the segment table where the
+    shrink is folded)."""
+    monkeypatch.setenv(KERNEL_BACKEND_ENV, kernels)
+    base, folders = setup
+    wanted = [(list(range(5, 14)), "mlp8", MAX_NEW)]
+    llm = build(base, folders, MODES["plain"])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    got = llm.generate([wanted[0][0]], params, adapters=["mlp8"])[0].token_ids
+    assert got == oracle(base, folders, wanted)[0]
+    graphs = llm.engine.runner.graphs
+    assert set(graphs.sizes) == {(1, 1)}
+    assert graphs._uses_segments(1) == (kernels == "triton")
 
 
 def test_enforce_eager_captures_nothing(setup):

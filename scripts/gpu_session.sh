@@ -23,13 +23,22 @@ PYTHONPATH=/tmp/shim-after timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p n
     >"$OUT/tests.log" 2>&1
 echo "tests exit $?"; tail -n 25 "$OUT/tests.log"
 
+# SIDES may name a side more than once (alternating runs: "before after before after");
+# run i of a side writes $OUT/<side>.json, then <side>-2.json, ... PROFILE=1 adds a
+# cProfile report to the last "after" run (it slows the host: its figures are not
+# comparable with an unprofiled run's).
+declare -A runs=()
 for side in ${SIDES:-before after}; do
-    echo "== bench: $side"
+    runs[$side]=$(( ${runs[$side]:-0} + 1 ))
+    name=$side; [ "${runs[$side]}" -gt 1 ] && name=$side-${runs[$side]}
+    echo "== bench: $name"
     extra=()
-    [ "$side" = after ] && extra=(--profile "$OUT/profile.txt")
+    [ "$side" = after ] && [ -n "${PROFILE:-}" ] && extra=(--profile "$OUT/profile.txt")
     PYTHONPATH=/tmp/shim-$side timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_gpu_engine.py \
-        --output "$OUT/$side.json" "${extra[@]}" ${BENCH_ARGS:-} >"$OUT/$side.log" 2>&1
-    echo "bench $side exit $?"; grep -v "adapters\.\(store\|slots\|peft_format\)" "$OUT/$side.log" | tail -n 12
+        --output "$OUT/$name.json" "${extra[@]}" ${BENCH_ARGS:-} >"$OUT/$name.log" 2>&1
+    echo "bench $name exit $?"; grep -v "adapters\.\(store\|slots\|peft_format\)" "$OUT/$name.log" | tail -n 4
 done
-[ -f "$OUT/before.json" ] && [ -f "$OUT/after.json" ] &&
-    PYTHONPATH=/tmp/shim-after python3 scripts/bench_gpu_engine.py --compare "$OUT/before.json" "$OUT/after.json" 2>&1 | tail -n 20
+for run in "" -2 -3; do
+    [ -f "$OUT/before$run.json" ] && [ -f "$OUT/after$run.json" ] &&
+        PYTHONPATH=/tmp/shim-after python3 scripts/bench_gpu_engine.py --compare "$OUT/before$run.json" "$OUT/after$run.json" 2>&1 | tail -n 12
+done

@@ -5,6 +5,9 @@ backend object they were built with.
 Semantics of the layer ops (shapes as the layers pass them):
     rms_norm(x, residual, weight, eps) -> (normed, new residual)
         x, residual [T, hidden]; roundings as torch_layers.rms_norm.
+    rms_norm_expand(x, residual, weight, eps, pending) -> (normed, new residual)
+        rms_norm of x plus the LoRA expand its projection left pending (lora.py
+        `PendingExpand`): the Triton backend adds it inside the norm's kernel.
     silu_and_mul(x) -> silu(gate) * up where gate, up = x.chunk(2, -1)
         x [T, 2I] (the fused gate/up output) -> [T, I].
     rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping) -> (q, k) rotated
@@ -48,6 +51,7 @@ from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.lora import (
     LoRABatch,
     LoRAStack,
+    PendingExpand,
     cpu_add_lora,
     foldable_shrink,
     torch_add_lora,
@@ -63,6 +67,15 @@ class KernelBackend(Protocol):
 
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rms_norm_expand(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        pending: PendingExpand,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -157,6 +170,17 @@ class TorchBackend:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return torch_layers.silu_and_mul(x)
+
+    def rms_norm_expand(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        pending: PendingExpand,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expand in plain torch, then this backend's norm."""
+        return self.rms_norm(pending.apply(x), residual, weight, eps)
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         best, tokens = logits.max(dim=-1)
@@ -376,12 +400,27 @@ class TritonBackend(TorchBackend):
 
         self._attention = paged_attention
         self._rms_norm = rms_norm.rms_norm
+        self._rms_norm_expand = rms_norm.rms_norm_expand
         self._rotary_write_kv = rotary_kv.rotary_write_kv
 
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rms_norm(x, residual, weight, eps)
+
+    def rms_norm_expand(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        pending: PendingExpand,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel (kernels/rms_norm.py `rms_norm_expand`): a decode graph's step
+        saves the expand's launch after o_proj and down_proj."""
+        return self._rms_norm_expand(
+            x, residual, weight, eps, pending.shrunk, pending.b, pending.token_slots
+        )
 
     def rotary_write_kv(
         self,

@@ -138,6 +138,33 @@ class LoRABatch:
 
 
 @dataclass(frozen=True)
+class PendingExpand:
+    """A projection's LoRA expand left to the kernel that consumes its output (after a
+    folded shrink, platform/layers/linear.py `forward_deferred`): that kernel adds
+
+        out[t] += shrunk[t, s_t] @ b[s_t].T    for each token t with s_t = token_slots[t] >= 0
+
+    before its own work, rounding the sum to out's dtype once, as the expand kernel
+    would have."""
+
+    shrunk: torch.Tensor
+    """[T, L, R] every slot's shrink of every token (any strides)."""
+    b: torch.Tensor
+    """[L, N, R] the slots' B, pre-multiplied by their scaling."""
+    token_slots: torch.Tensor
+    """[T] int64 slot per token, -1 = no adapter."""
+
+    def apply(self, out: torch.Tensor) -> torch.Tensor:
+        """out + the delta in plain torch (the reference of the fused kernels)."""
+        slots = self.token_slots
+        rows = torch.arange(out.shape[0], device=out.device)
+        used = slots.clamp(min=0)
+        y = self.shrunk[rows, used].float() * (slots >= 0)[:, None]
+        delta = torch.einsum("tr,tnr->tn", y, self.b[used].float())
+        return (out.float() + delta).to(out.dtype)
+
+
+@dataclass(frozen=True)
 class LoRAStack:
     """Slot-stacked adapter weights of one projection (allocated by the kernel backend,
     written by the adapter slot manager). A fused projection with S slices packs slot

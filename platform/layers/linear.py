@@ -24,7 +24,7 @@ from loraplex.kernels.cpu_matmul import PackedWeight, linear
 from loraplex.kernels.int4_matmul import Int4Weight, group_count, unpack_int4
 from loraplex.kernels.int8_matmul import Int8Weight
 from loraplex.kernels.int_packing import unpack_ints
-from loraplex.kernels.lora import LoRABatch, LoRAStack
+from loraplex.kernels.lora import LoRABatch, LoRAStack, PendingExpand
 from loraplex.platform.parallel.group import TPGroup
 
 
@@ -109,15 +109,30 @@ class MergedLinear(nn.Module):
             and self.lora_kernels.uses_folded_shrink(lora)
         )
 
+    def forward_deferred(
+        self, x: torch.Tensor, lora: LoRABatch | None = None
+    ) -> tuple[torch.Tensor, PendingExpand | None]:
+        """`forward`, except that a step whose shrink is folded leaves its expand to the
+        kernel consuming the output (an RMSNorm's, `RMSNorm.forward`): (the output
+        without its adapter deltas, the pending expand); else (`forward`, None)."""
+        if not self._folds(lora):
+            return self.forward(x, lora), None
+        out, shrunk = self._folded_matmul(x)
+        return out, PendingExpand(shrunk, self.lora.b, lora.token_slots)
+
     def _folded_forward(self, x: torch.Tensor, lora: LoRABatch) -> torch.Tensor:
-        """[x @ W.T | x @ A_l.T for every slot l] in one matmul, then each token's
-        expand of its own slot's columns into the first part."""
-        both = linear(x, self.lora_fold, None)
-        out = both[:, : self.out_features]
-        slots, width, _ = self.lora.a.shape
-        shrunk = both[:, self.out_features :].view(-1, slots, width)
+        """`_folded_matmul`, then each token's expand of its own slot's columns."""
+        out, shrunk = self._folded_matmul(x)
         self.lora_kernels.expand_folded(out, shrunk, self.lora, lora)
         return out
+
+    def _folded_matmul(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[x @ W.T | x @ A_l.T for every slot l] in one matmul: (the base output
+        [T, out] and every slot's shrink [T, L, R], both views of it)."""
+        both = linear(x, self.lora_fold, None)
+        slots, width, _ = self.lora.a.shape
+        shrunk = both[:, self.out_features :].view(-1, slots, width)
+        return both[:, : self.out_features], shrunk
 
     def _add_lora(self, out: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None) -> None:
         if lora is not None and self.lora is not None:
@@ -366,6 +381,15 @@ class RowParallelLinear(MergedLinear):
         self.full_in_features = in_features
         super().__init__(self.col_range[1], (out_features,), bias, dtype, device)
         self.group = group
+
+    def forward_deferred(
+        self, x: torch.Tensor, lora: LoRABatch | None = None
+    ) -> tuple[torch.Tensor, PendingExpand | None]:
+        """As `MergedLinear.forward_deferred` on one rank; across ranks the all-reduce
+        needs the whole partial products: `forward`, nothing pending."""
+        if self.group is None or self.group.size == 1:
+            return super().forward_deferred(x, lora)
+        return self.forward(x, lora), None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if self.group is None or self.group.size == 1:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from loraplex.kernels.backends import get_backend
+from loraplex.kernels.lora import PendingExpand
 
 
 class RMSNorm(nn.Module):
@@ -30,9 +31,16 @@ class RMSNorm(nn.Module):
         self.kernels = get_backend(kernels)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        pending: PendingExpand | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, residual: [T, hidden] -> (normed [T, hidden], new residual [T, hidden])."""
+        """x, residual: [T, hidden] -> (normed [T, hidden], new residual [T, hidden]).
+        `pending`: the LoRA expand x's projection left undone (`forward_deferred`),
+        added first, inside the norm's kernel on the Triton backend."""
+        if pending is not None:
+            return self.kernels.rms_norm_expand(x, residual, self.weight, self.eps, pending)
         return self.kernels.rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:

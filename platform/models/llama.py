@@ -22,7 +22,7 @@ from loraplex.kernels.attention_metadata import AttentionMetadata
 from loraplex.kernels.backends import get_backend
 from loraplex.kernels.cpu_matmul import PackedWeight, linear
 from loraplex.kernels.int8_matmul import Int8Weight
-from loraplex.kernels.lora import LoRABatch
+from loraplex.kernels.lora import LoRABatch, PendingExpand
 from loraplex.platform.arch import ModelArch
 from loraplex.platform.layers.attention import PagedAttention
 from loraplex.platform.layers.linear import MergedLinear, RowParallelLinear
@@ -79,14 +79,15 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         lora: LoRABatch | None,
-    ) -> torch.Tensor:
-        """hidden [T, hidden], cos/sin [T, 1, Dh/2] -> [T, hidden]."""
+    ) -> tuple[torch.Tensor, PendingExpand | None]:
+        """hidden [T, hidden], cos/sin [T, 1, Dh/2] -> ([T, hidden], o_proj's pending
+        LoRA expand or None: `MergedLinear.forward_deferred`)."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden, lora).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, cos, sin, kv_cache, meta), lora)
+        return self.o_proj.forward_deferred(self.attn(q, k, v, cos, sin, kv_cache, meta), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -116,10 +117,13 @@ class LlamaMLP(nn.Module):
             size, arch.hidden_size, arch.mlp_bias, dtype, device, layout.intermediate, group
         )
 
-    def forward(self, hidden: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        """down(silu(gate(x)) * up(x)): [T, hidden] -> [T, hidden]."""
+    def forward(
+        self, hidden: torch.Tensor, lora: LoRABatch | None
+    ) -> tuple[torch.Tensor, PendingExpand | None]:
+        """down(silu(gate(x)) * up(x)): [T, hidden] -> ([T, hidden], down_proj's pending
+        LoRA expand or None)."""
         gate_up = self.gate_up_proj(hidden, lora)
-        return self.down_proj(self.kernels.silu_and_mul(gate_up), lora)
+        return self.down_proj.forward_deferred(self.kernels.silu_and_mul(gate_up), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -143,18 +147,21 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
+        pending: PendingExpand | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         lora: LoRABatch | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, residual stream before it); their sum is the
-        layer's output, added by the next norm."""
-        normed, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(normed, cos, sin, kv_cache, meta, lora)
-        normed, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(normed, lora), residual
+    ) -> tuple[torch.Tensor, torch.Tensor, PendingExpand | None]:
+        """Returns (this layer's MLP output, residual stream before it, the MLP output's
+        pending LoRA expand); output + expand + residual is the layer's output, added
+        by the next norm. `pending`: the previous layer's (None: none left)."""
+        normed, residual = self.input_layernorm(hidden, residual, pending)
+        hidden, pending = self.self_attn(normed, cos, sin, kv_cache, meta, lora)
+        normed, residual = self.post_attention_layernorm(hidden, residual, pending)
+        hidden, pending = self.mlp(normed, lora)
+        return hidden, residual, pending
 
 
 class LlamaForCausalLM(nn.Module):
@@ -228,10 +235,12 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         if self.native_stack is not None:
             return self.native_stack(hidden, cos, sin, kv_caches, meta, lora)
-        residual = None
+        residual = pending = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, lora)
-        hidden, _ = self.norm(hidden, residual)
+            hidden, residual, pending = layer(
+                hidden, residual, pending, cos, sin, kv_cache, meta, lora
+            )
+        hidden, _ = self.norm(hidden, residual, pending)
         return hidden
 
     def _embed_base_vocabulary(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 
 from loraplex.kernels import torch_layers
 from loraplex.kernels.reference import reference_rotary_write_kv
-from loraplex.kernels.rms_norm import rms_norm
+from loraplex.kernels.lora import PendingExpand
+from loraplex.kernels.rms_norm import rms_norm, rms_norm_expand
 from loraplex.kernels.rotary_kv import rotary_write_kv
 from loraplex.kernels.torch_layers import apply_rotary
 from loraplex.kernels.torch_paged_attention import read_slots, write_kv
@@ -165,3 +166,40 @@ def test_bad_shapes_are_refused():
         rotary_write_kv(q, k, v, cos, sin, cache[:, :, :, :, :4], slots)
     with pytest.raises(ValueError, match="hidden"):
         rms_norm(torch.zeros(3), None, torch.ones(3), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [48, 100, 300])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_expand_equals_the_expand_then_the_norm(dtype, hidden, with_residual):
+    """The norm with a projection's pending LoRA expand (a folded shrink) against the
+    torch expand (`PendingExpand.apply`) then the reference norm: tokens on three slots
+    and the base model, x rows strided as a folded matmul's output, hidden past one
+    chunk of the kernel (300 > 256 at rank 16)."""
+    gen = torch.Generator().manual_seed(hidden + 7)
+    slots, rank, tokens = 3, 16, 9
+    folded = (torch.randn(tokens, hidden + slots * rank, generator=gen) * 3).to(dtype)
+    x = folded[:, :hidden]
+    shrunk = folded[:, hidden:].view(tokens, slots, rank)
+    lora_b = (torch.randn(slots, hidden, rank, generator=gen) / 4).to(dtype)
+    token_slots = torch.tensor([0, 0, -1, 2, 2, 2, 1, -1, 0])
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype) if with_residual else None
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    pending = PendingExpand(shrunk.to(DEVICE), lora_b.to(DEVICE), token_slots.to(DEVICE))
+    out, new_residual = rms_norm_expand(
+        folded.to(DEVICE)[:, :hidden],
+        None if residual is None else residual.to(DEVICE),
+        weight.to(DEVICE),
+        1e-5,
+        pending.shrunk,
+        pending.b,
+        pending.token_slots,
+    )
+    expanded = PendingExpand(shrunk, lora_b, token_slots).apply(x)
+    assert not torch.equal(expanded, x), "the adapters moved the rows"
+    expected, expected_residual = reference_rms_norm(expanded, residual, weight, 1e-5)
+    close(out, expected, dtype)
+    close(new_residual, expected_residual, dtype)
+    base_rows = token_slots < 0
+    if residual is None and not (dtype == torch.bfloat16 and INTERPRETED):
+        assert torch.equal(new_residual.cpu()[base_rows], x[base_rows]), "no delta: x itself"

@@ -10,6 +10,8 @@ Semantics of the layer ops (shapes as the layers pass them):
         `PendingExpand`): the Triton backend adds it inside the norm's kernel.
     silu_and_mul(x) -> silu(gate) * up where gate, up = x.chunk(2, -1)
         x [T, 2I] (the fused gate/up output) -> [T, I].
+    silu_and_mul_expand(x, pending) -> silu_and_mul of x plus its projection's pending
+        LoRA expand (in the same kernel on the Triton backend).
     rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping) -> (q, k) rotated
         q [T, H, Dh], k / v [T, Hkv, Dh], cos / sin [T, 1, Dh/2] in the model dtype;
         also writes k (rotated) and v to their cache slots.
@@ -79,6 +81,8 @@ class KernelBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def silu_and_mul_expand(self, x: torch.Tensor, pending: PendingExpand) -> torch.Tensor: ...
 
     def rotary_write_kv(
         self,
@@ -181,6 +185,10 @@ class TorchBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The expand in plain torch, then this backend's norm."""
         return self.rms_norm(pending.apply(x), residual, weight, eps)
+
+    def silu_and_mul_expand(self, x: torch.Tensor, pending: PendingExpand) -> torch.Tensor:
+        """The expand in plain torch, then this backend's SiLU-and-mul."""
+        return self.silu_and_mul(pending.apply(x))
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         best, tokens = logits.max(dim=-1)
@@ -396,11 +404,12 @@ class TritonBackend(TorchBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from loraplex.kernels import paged_attention, rms_norm, rotary_kv
+        from loraplex.kernels import paged_attention, rms_norm, rotary_kv, silu_and_mul
 
         self._attention = paged_attention
         self._rms_norm = rms_norm.rms_norm
         self._rms_norm_expand = rms_norm.rms_norm_expand
+        self._silu_and_mul = silu_and_mul.silu_and_mul
         self._rotary_write_kv = rotary_kv.rotary_write_kv
 
     def rms_norm(
@@ -421,6 +430,14 @@ class TritonBackend(TorchBackend):
         return self._rms_norm_expand(
             x, residual, weight, eps, pending.shrunk, pending.b, pending.token_slots
         )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """One kernel (kernels/silu_and_mul.py), not torch's two."""
+        return self._silu_and_mul(x)
+
+    def silu_and_mul_expand(self, x: torch.Tensor, pending: PendingExpand) -> torch.Tensor:
+        """gate_up's expand inside the SiLU-and-mul kernel: one kernel, not three."""
+        return self._silu_and_mul(x, pending.shrunk, pending.b, pending.token_slots)
 
     def rotary_write_kv(
         self,

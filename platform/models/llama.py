@@ -121,9 +121,14 @@ class LlamaMLP(nn.Module):
         self, hidden: torch.Tensor, lora: LoRABatch | None
     ) -> tuple[torch.Tensor, PendingExpand | None]:
         """down(silu(gate(x)) * up(x)): [T, hidden] -> ([T, hidden], down_proj's pending
-        LoRA expand or None)."""
-        gate_up = self.gate_up_proj(hidden, lora)
-        return self.down_proj.forward_deferred(self.kernels.silu_and_mul(gate_up), lora)
+        LoRA expand or None). gate_up's own pending expand runs inside the
+        SiLU-and-mul."""
+        gate_up, pending = self.gate_up_proj.forward_deferred(hidden, lora)
+        if pending is None:
+            activated = self.kernels.silu_and_mul(gate_up)
+        else:
+            activated = self.kernels.silu_and_mul_expand(gate_up, pending)
+        return self.down_proj.forward_deferred(activated, lora)
 
 
 class LlamaDecoderLayer(nn.Module):

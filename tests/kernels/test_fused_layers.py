@@ -1,5 +1,6 @@
-"""Fused Triton RMSNorm (+ residual) and rotary + KV-cache write against their torch
-references and the engine's torch layers, under the interpreter off CUDA.
+"""Fused Triton RMSNorm (+ residual, + a pending LoRA expand), SiLU-and-mul (+ a pending
+LoRA expand) and rotary + KV-cache write against their torch references and the
+engine's torch layers, under the interpreter off CUDA.
 
 Tolerances: fp32 1e-6 (same operations, fp32 rounding); fp16 / bf16 one ulp of values
 of order 1 (the kernels keep fp32 where the torch layers round an intermediate). The
@@ -15,10 +16,11 @@ import pytest
 import torch
 
 from loraplex.kernels import torch_layers
-from loraplex.kernels.reference import reference_rotary_write_kv
 from loraplex.kernels.lora import PendingExpand
+from loraplex.kernels.reference import reference_rotary_write_kv
 from loraplex.kernels.rms_norm import rms_norm, rms_norm_expand
 from loraplex.kernels.rotary_kv import rotary_write_kv
+from loraplex.kernels.silu_and_mul import silu_and_mul
 from loraplex.kernels.torch_layers import apply_rotary
 from loraplex.kernels.torch_paged_attention import read_slots, write_kv
 from loraplex.platform.layers.norm import RMSNorm
@@ -203,3 +205,52 @@ def test_rms_norm_expand_equals_the_expand_then_the_norm(dtype, hidden, with_res
     base_rows = token_slots < 0
     if residual is None and not (dtype == torch.bfloat16 and INTERPRETED):
         assert torch.equal(new_residual.cpu()[base_rows], x[base_rows]), "no delta: x itself"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("half", [8, 100, 300])
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_silu_and_mul_matches_the_torch_path(dtype, half, with_lora):
+    """The SiLU-and-mul kernel against the torch path, alone and with gate_up's pending
+    LoRA expand (two slices, block-diagonal B): tokens on two slots and the base model,
+    x rows strided as a folded matmul's output, columns past one chunk at rank 2 x 16."""
+    gen = torch.Generator().manual_seed(half + 11)
+    slots, rank, tokens = 2, 32, 7
+    folded = (torch.randn(tokens, 2 * half + slots * rank, generator=gen) * 2).to(dtype)
+    x = folded[:, : 2 * half]
+    expected_input = x
+    pending = None
+    if with_lora:
+        lora_b = torch.zeros(slots, 2 * half, rank)
+        lora_b[:, :half, :16] = torch.randn(slots, half, 16, generator=gen) / 4
+        lora_b[:, half:, 16:] = torch.randn(slots, half, 16, generator=gen) / 4
+        shrunk = folded[:, 2 * half :].view(tokens, slots, rank)
+        slots_of = torch.tensor([1, 1, -1, 0, 0, -1, 1])
+        pending = PendingExpand(shrunk, lora_b.to(dtype), slots_of)
+        expected_input = pending.apply(x)
+        assert not torch.equal(expected_input, x)
+    on_device = folded.to(DEVICE)[:, : 2 * half]
+    if pending is None:
+        out = silu_and_mul(on_device)
+    else:
+        out = silu_and_mul(
+            on_device,
+            pending.shrunk.to(DEVICE),
+            pending.b.to(DEVICE),
+            pending.token_slots.to(DEVICE),
+        )
+    expected = torch_layers.silu_and_mul(expected_input)
+    if with_lora and dtype == torch.bfloat16:
+        # The delta, summed in another order than the reference's, can round gate + delta
+        # or up + delta one ulp apart, which silu and the product carry: 2 ulps on a GPU,
+        # 4 under the interpreter (it truncates each of the four roundings).
+        tol = 4e-2 if INTERPRETED else 2e-2
+        torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tol, rtol=tol)
+    else:
+        close(out, expected, dtype)
+
+
+def test_silu_and_mul_refuses_an_expand_that_does_not_fit():
+    x = torch.randn(3, 20, device=DEVICE)
+    with pytest.raises(ValueError, match="does not fit"):
+        silu_and_mul(x, torch.zeros(3, 2, 4, device=DEVICE), torch.zeros(2, 10, 4, device=DEVICE))

@@ -107,6 +107,7 @@ def _rms_norm_expand_kernel(
     HAS_RESIDUAL: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
@@ -118,6 +119,28 @@ def _rms_norm_expand_kernel(
         mask=r_mask,
         other=0.0,
     ).to(tl.float32)
+    if ONE_PASS:  # the row in one tile (CHUNK >= hidden): no store read back
+        offs = tl.arange(0, CHUNK)
+        mask = offs < hidden
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        b = tl.load(
+            b_ptr + slot_row * stride_bl + offs[:, None] * stride_bn + offs_r[None, :] * stride_br,
+            mask=mask[:, None] & r_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        s = (x.to(tl.float32) + tl.sum(b * y[None, :], axis=1)).to(x.dtype)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+            s = (s.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * stride_ro + offs, s, mask=mask)
+        h = s.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / hidden + eps)
+        normed = (h * inv_rms).to(s.dtype).to(tl.float32)
+        w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(
+            out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask
+        )
+        return
     squares = tl.zeros([CHUNK], dtype=tl.float32)
     for start in range(0, hidden, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -149,8 +172,13 @@ def _rms_norm_expand_kernel(
 
 
 _EXPAND_TILE = 4096
-"""Elements of one program's B tile (CHUNK x BLOCK_R): 32 fp32 registers a thread at 4
-warps."""
+"""Elements of one program's B tile (CHUNK x BLOCK_R) in the two-pass form: 32 fp32
+registers a thread at 4 warps."""
+_ONE_PASS_TILE = 32768
+"""Largest B tile (the whole row x BLOCK_R) taken in one pass, at 16 warps (64 fp32
+registers a thread): hidden 2048 at rank columns 16. The two-pass form loops over the
+row twice with its loads one chunk at a time, which an H200 measured no faster than the
+expand kernel and the norm it replaces at 64 decode rows."""
 
 
 def rms_norm_expand(
@@ -172,8 +200,9 @@ def rms_norm_expand(
 
     x, residual [T, hidden] (rows may be strided, features contiguous), shrunk
     [T, L, R] (x's dtype or fp32, any strides), lora_b [L, hidden, R], token_slots [T]
-    int64. One program per row, over the row in chunks: the first pass adds and stores
-    the sums, the second normalizes them."""
+    int64. One program per row: the whole row in one tile where its B tile fits
+    (`_ONE_PASS_TILE`), else over the row in chunks, a first pass adding and storing the
+    sums, a second normalizing them."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, hidden] with contiguous features, got {tuple(x.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
@@ -189,7 +218,10 @@ def rms_norm_expand(
     residual_out = torch.empty_like(out)
     if num_rows:
         block_r = max(16, triton.next_power_of_2(rank))
-        chunk = max(16, min(triton.next_power_of_2(hidden), _EXPAND_TILE // block_r))
+        row = max(16, triton.next_power_of_2(hidden))
+        one_pass = row * block_r <= _ONE_PASS_TILE
+        chunk = row if one_pass else max(16, min(row, _EXPAND_TILE // block_r))
+        warps = max(4, min(16, chunk * block_r // 2048))
         _rms_norm_expand_kernel[(num_rows,)](
             x,
             x if residual is None else residual,
@@ -215,5 +247,7 @@ def rms_norm_expand(
             HAS_RESIDUAL=residual is not None,
             CHUNK=chunk,
             BLOCK_R=block_r,
+            ONE_PASS=one_pass,
+            num_warps=warps,
         )
     return out, residual_out

@@ -171,13 +171,13 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden", [48, 100, 300])
+@pytest.mark.parametrize("hidden", [48, 100, 300, 2100])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_rms_norm_expand_equals_the_expand_then_the_norm(dtype, hidden, with_residual):
     """The norm with a projection's pending LoRA expand (a folded shrink) against the
     torch expand (`PendingExpand.apply`) then the reference norm: tokens on three slots
-    and the base model, x rows strided as a folded matmul's output, hidden past one
-    chunk of the kernel (300 > 256 at rank 16)."""
+    and the base model, x rows strided as a folded matmul's output; rows in one tile,
+    and past it (2100: a B tile of 4096 x 16, so the two-pass form over chunks)."""
     gen = torch.Generator().manual_seed(hidden + 7)
     slots, rank, tokens = 3, 16, 9
     folded = (torch.randn(tokens, hidden + slots * rank, generator=gen) * 3).to(dtype)

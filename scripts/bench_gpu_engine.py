@@ -368,13 +368,15 @@ def summary(result: dict) -> str:
     lines.append(f"copy bandwidth (read + write): {result['copy_bandwidth_gb_s']:.0f} GB/s")
     for model, f in result["models"].items():
         limit = f["bandwidth_limit_tok_s"]
+        rounds = f.get("adapter_ratio_rounds", [])
+        median = f"{statistics.median(rounds):.2f}" if rounds else "-"
         lines.append(
             f"{model}: single {f['single']:.1f} tok/s = {f['single'] / limit:.0%} of the "
             f"{limit:.0f} tok/s bandwidth limit; single with an adapter "
             f"{f['single_adapter']:.1f}; batch {f['batch']:.1f}; batch with "
             f"{NUM_ADAPTERS} adapters {f['batch_8_adapters']:.1f} "
-            f"({f['batch_8_adapters'] / f['batch']:.2f}x base; per round "
-            f"{', '.join(f'{r:.2f}' for r in f.get('adapter_ratio_rounds', []))}); "
+            f"(best runs {f['batch_8_adapters'] / f['batch']:.2f}x base; alternating rounds "
+            f"{', '.join(f'{r:.2f}' for r in rounds)}, median {median}); "
             f"fp32 greedy equal to HF on "
             f"{f['greedy_equal']} of {f['greedy_prompts']}; engine ready in "
             f"{f['engine_ready_s']:.1f}s"

@@ -189,6 +189,8 @@ def rms_norm_expand(
     shrunk: torch.Tensor,
     lora_b: torch.Tensor,
     token_slots: torch.Tensor,
+    *,
+    one_pass: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm` of x plus the LoRA expand its projection left pending (a folded shrink,
     platform/layers/linear.py), in one kernel instead of an expand kernel and a norm.
@@ -202,7 +204,7 @@ def rms_norm_expand(
     [T, L, R] (x's dtype or fp32, any strides), lora_b [L, hidden, R], token_slots [T]
     int64. One program per row: the whole row in one tile where its B tile fits
     (`_ONE_PASS_TILE`), else over the row in chunks, a first pass adding and storing the
-    sums, a second normalizing them."""
+    sums, a second normalizing them. `one_pass` forces the form (benchmarks, tests)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [T, hidden] with contiguous features, got {tuple(x.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
@@ -219,7 +221,8 @@ def rms_norm_expand(
     if num_rows:
         block_r = max(16, triton.next_power_of_2(rank))
         row = max(16, triton.next_power_of_2(hidden))
-        one_pass = row * block_r <= _ONE_PASS_TILE
+        if one_pass is None:
+            one_pass = row * block_r <= _ONE_PASS_TILE
         chunk = row if one_pass else max(16, min(row, _EXPAND_TILE // block_r))
         warps = max(4, min(16, chunk * block_r // 2048))
         _rms_norm_expand_kernel[(num_rows,)](

@@ -8,6 +8,11 @@ Two workloads per projection (fused q/k/v and gate/up stack their slices' ranks)
   BGMV over the same tokens for reference;
 - prefill: 8 segments of 1024 tokens.
 
+Where the engine folds the shrink into the projection (Triton backend), the expand runs
+inside the kernel reading the output: the RMSNorm after o and down (`rms_norm_expand`,
+timed in its one-pass and two-pass forms), the SiLU-and-mul after gate/up; those rows
+time each against the expand kernel plus the plain kernel it replaces.
+
 Each variant is captured `--reps` times into one CUDA graph; the figure is the replay
 time over the calls (median of 5 replays), so a kernel's launch latency inside a graph
 is counted and the host's is not. Needs CUDA.
@@ -25,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from loraplex.kernels import triton_lora
+from loraplex.kernels import rms_norm, silu_and_mul, torch_layers, triton_lora
 
 logger = logging.getLogger("bench_gpu_lora_shapes")
 
@@ -89,7 +94,7 @@ def segments(lengths: list[int], table: int, device: torch.device) -> tuple:
 
 
 def bench_workload(
-    shape: tuple[int, int, int], lengths: list[int], max_seg_len: int, reps: int
+    name: str, shape: tuple[int, int, int], lengths: list[int], max_seg_len: int, reps: int
 ) -> list[tuple[str, float]]:
     """(variant, us per call) of every kernel variant on one projection and workload."""
     k_dim, n_dim, rank = shape
@@ -129,7 +134,53 @@ def bench_workload(
             triton_lora.sgmv_expand, y_slots, lora_b, *segs, out
         )
     variants["base gemm"] = functools.partial(torch.mm, x, weight.T)
+    variants.update(
+        epilogues(name, out, triton_lora.dense_shrink(x, lora_a), lora_b, token_slots, segs)
+    )
     return [(label, graph_us(call, reps)) for label, call in variants.items()]
+
+
+def epilogues(
+    name: str,
+    out: torch.Tensor,
+    y_slots: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    segs: tuple,
+) -> dict[str, Callable[[], object]]:
+    """The consumer of the projection's output alone, after the expand kernel, and with
+    the expand inside it: RMSNorm (with a residual) after o and down, SiLU-and-mul after
+    gate/up; nothing for q/k/v (its expand stays a kernel)."""
+    variants: dict[str, Callable[[], object]] = {}
+
+    def then(first: Callable[[], object], second: Callable[[], object]) -> Callable[[], None]:
+        def both() -> None:
+            first()
+            second()
+
+        return both
+
+    expand = functools.partial(triton_lora.sgmv_expand, y_slots, lora_b, *segs, out)
+    if name in ("o", "down"):
+        weight = torch.randn(out.shape[1], device=out.device).to(out.dtype)
+        residual = torch.randn_like(out)
+        norm = functools.partial(rms_norm.rms_norm, out, residual, weight, 1e-5)
+        variants["norm alone"] = norm
+        variants["expand kernel + norm"] = then(expand, norm)
+        for one_pass in (True, False):
+            variants[f"norm with expand, one_pass={one_pass}"] = functools.partial(
+                rms_norm.rms_norm_expand,
+                out, residual, weight, 1e-5, y_slots, lora_b, token_slots, one_pass=one_pass,
+            )  # fmt: skip
+    elif name == "gate_up":
+        torch_silu = functools.partial(torch_layers.silu_and_mul, out)
+        variants["silu_and_mul torch"] = torch_silu
+        variants["silu_and_mul triton"] = functools.partial(silu_and_mul.silu_and_mul, out)
+        variants["expand kernel + silu_and_mul torch"] = then(expand, torch_silu)
+        variants["silu_and_mul with expand"] = functools.partial(
+            silu_and_mul.silu_and_mul, out, y_slots, lora_b, token_slots
+        )
+    return variants
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -139,7 +190,7 @@ def bench(args: argparse.Namespace) -> None:
             ("decode", [8] * 8, 64),
             ("prefill", [1024] * 8, 1024),
         ):
-            for label, us in bench_workload(shape, lengths, max_seg_len, args.reps):
+            for label, us in bench_workload(name, shape, lengths, max_seg_len, args.reps):
                 rows.append((name, workload, label, us))
     lines = [f"{torch.cuda.get_device_name()}, {args.model}, rank {args.rank}, bf16, us per call"]
     for name, workload, label, us in rows:

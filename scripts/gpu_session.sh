@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# One lease of a GPU machine (the device tool), in one call: the engine's GPU tests, then
+# One lease of a GPU machine (the device tool), in one call: the engine's GPU tests, with
+# SHAPES=1 the LoRA kernels' shapes (scripts/bench_gpu_lora_shapes.py), then
 # scripts/bench_gpu_engine.py on the code before a change and after it, then their ratios.
 #
 #   .baseline/  an export of the code before (git archive REV _loraplex platform kernels
-#               adapters deployments | tar -x -C .baseline), carried with the call
+#               adapters deployments tools | tar -x -C .baseline; echo /.baseline/ >>
+#               .git/info/exclude), carried with the call (carry: [".baseline"])
 #   $OUT        where the logs and JSON figures go (the device tool brings them back)
+#
+# TESTS, TEST_TIMEOUT, BENCH_ARGS ("--rounds 5"), BENCH_TIMEOUT and SIDES ("after before
+# after") size the call to the lease: on an H200 (2026-11-28) the machine started in about
+# 35 s, the engine tests took 40-130 s and each bench 30-60 s (the first one also writes the
+# random 1B checkpoint).
 #
 # Each side imports loraplex through a shim folder on PYTHONPATH (loraplex -> its
 # _loraplex/), so nothing is installed on the machine. Runs the machine's own python3.
@@ -22,6 +29,13 @@ PYTHONPATH=/tmp/shim-after timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p n
     -n 0 -q -x ${TESTS:-tests/platform/test_decode_graphs.py tests/platform/test_triton_path.py tests/platform/test_sleep_mode.py} \
     >"$OUT/tests.log" 2>&1
 echo "tests exit $?"; tail -n 25 "$OUT/tests.log"
+
+if [ -n "${SHAPES:-}" ]; then  # the LoRA kernels and their fused forms, each in a CUDA graph
+    echo "== LoRA kernel shapes"
+    PYTHONPATH=/tmp/shim-after timeout "${SHAPES_TIMEOUT:-120}" python3 scripts/bench_gpu_lora_shapes.py \
+        >"$OUT/shapes.log" 2>&1
+    echo "shapes exit $?"; grep "layer " "$OUT/shapes.log" | tail -n 40
+fi
 
 # SIDES may name a side more than once (alternating runs: "before after before after");
 # run i of a side writes $OUT/<side>.json, then <side>-2.json, ... PROFILE=1 adds a

@@ -3,15 +3,12 @@
 backend object they were built with.
 
 Semantics of the layer ops (shapes as the layers pass them):
-    rms_norm(x, residual, weight, eps) -> (normed, new residual)
-        x, residual [T, hidden]; roundings as torch_layers.rms_norm.
-    rms_norm_expand(x, residual, weight, eps, pending) -> (normed, new residual)
-        rms_norm of x plus the LoRA expand its projection left pending (lora.py
-        `PendingExpand`): the Triton backend adds it inside the norm's kernel.
-    silu_and_mul(x) -> silu(gate) * up where gate, up = x.chunk(2, -1)
-        x [T, 2I] (the fused gate/up output) -> [T, I].
-    silu_and_mul_expand(x, pending) -> silu_and_mul of x plus its projection's pending
-        LoRA expand (in the same kernel on the Triton backend).
+    rms_norm(x, residual, weight, eps, pending=None) -> (normed, new residual)
+        x, residual [T, hidden]; roundings as torch_layers.rms_norm. `pending`: the
+        LoRA expand x's projection left undone (lora.py `PendingExpand`), added to x
+        first (inside the norm's kernel on the Triton backend).
+    silu_and_mul(x, pending=None) -> silu(gate) * up where gate, up = x.chunk(2, -1)
+        x [T, 2I] (the fused gate/up output) -> [T, I]; `pending` as for rms_norm.
     rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping) -> (q, k) rotated
         q [T, H, Dh], k / v [T, Hkv, Dh], cos / sin [T, 1, Dh/2] in the model dtype;
         also writes k (rotated) and v to their cache slots.
@@ -68,21 +65,17 @@ class KernelBackend(Protocol):
     name: str
 
     def rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def rms_norm_expand(
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         weight: torch.Tensor,
         eps: float,
-        pending: PendingExpand,
+        pending: PendingExpand | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def silu_and_mul_expand(self, x: torch.Tensor, pending: PendingExpand) -> torch.Tensor: ...
+    def silu_and_mul(
+        self, x: torch.Tensor, pending: PendingExpand | None = None
+    ) -> torch.Tensor: ...
 
     def rotary_write_kv(
         self,
@@ -168,27 +161,17 @@ class TorchBackend:
     name = "torch"
 
     def rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch_layers.rms_norm(x, residual, weight, eps)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch_layers.silu_and_mul(x)
-
-    def rms_norm_expand(
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         weight: torch.Tensor,
         eps: float,
-        pending: PendingExpand,
+        pending: PendingExpand | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The expand in plain torch, then this backend's norm."""
-        return self.rms_norm(pending.apply(x), residual, weight, eps)
+        return torch_layers.rms_norm(_expanded(x, pending), residual, weight, eps)
 
-    def silu_and_mul_expand(self, x: torch.Tensor, pending: PendingExpand) -> torch.Tensor:
-        """The expand in plain torch, then this backend's SiLU-and-mul."""
-        return self.silu_and_mul(pending.apply(x))
+    def silu_and_mul(self, x: torch.Tensor, pending: PendingExpand | None = None) -> torch.Tensor:
+        return torch_layers.silu_and_mul(_expanded(x, pending))
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         best, tokens = logits.max(dim=-1)
@@ -315,12 +298,17 @@ class CpuBackend(TorchBackend):
         self._ops = cpu_ops
 
     def rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        pending: PendingExpand | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._ops.rms_norm(x, residual, weight, eps)
+        return self._ops.rms_norm(_expanded(x, pending), residual, weight, eps)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.silu_and_mul(x)
+    def silu_and_mul(self, x: torch.Tensor, pending: PendingExpand | None = None) -> torch.Tensor:
+        return self._ops.silu_and_mul(_expanded(x, pending))
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         return self._ops.greedy_tokens(logits)
@@ -408,36 +396,25 @@ class TritonBackend(TorchBackend):
 
         self._attention = paged_attention
         self._rms_norm = rms_norm.rms_norm
-        self._rms_norm_expand = rms_norm.rms_norm_expand
         self._silu_and_mul = silu_and_mul.silu_and_mul
         self._rotary_write_kv = rotary_kv.rotary_write_kv
 
     def rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rms_norm(x, residual, weight, eps)
-
-    def rms_norm_expand(
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         weight: torch.Tensor,
         eps: float,
-        pending: PendingExpand,
+        pending: PendingExpand | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One kernel (kernels/rms_norm.py `rms_norm_expand`): a decode graph's step
-        saves the expand's launch after o_proj and down_proj."""
-        return self._rms_norm_expand(
-            x, residual, weight, eps, pending.shrunk, pending.b, pending.token_slots
-        )
+        """A pending expand (o_proj's, down_proj's) is added inside the norm's kernel: a
+        decode graph's step saves the expand kernel's launch."""
+        return self._rms_norm(x, residual, weight, eps, pending)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """One kernel (kernels/silu_and_mul.py), not torch's two."""
-        return self._silu_and_mul(x)
-
-    def silu_and_mul_expand(self, x: torch.Tensor, pending: PendingExpand) -> torch.Tensor:
-        """gate_up's expand inside the SiLU-and-mul kernel: one kernel, not three."""
-        return self._silu_and_mul(x, pending.shrunk, pending.b, pending.token_slots)
+    def silu_and_mul(self, x: torch.Tensor, pending: PendingExpand | None = None) -> torch.Tensor:
+        """One kernel (kernels/silu_and_mul.py), not torch's two; gate/up's pending
+        expand inside it (one kernel, not three)."""
+        return self._silu_and_mul(x, pending)
 
     def rotary_write_kv(
         self,
@@ -513,6 +490,11 @@ class TritonBackend(TorchBackend):
         self, out: torch.Tensor, shrunk: torch.Tensor, stack: LoRAStack, batch: LoRABatch
     ) -> None:
         triton_expand_folded(out, shrunk, stack.b, batch)
+
+
+def _expanded(x: torch.Tensor, pending: PendingExpand | None) -> torch.Tensor:
+    """x plus its pending LoRA expand in plain torch (where a backend has no fused form)."""
+    return x if pending is None else pending.apply(x)
 
 
 _PREFILL_LENS = "cpu_prefill_lens"

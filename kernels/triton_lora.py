@@ -269,6 +269,39 @@ def _sgmv_expand_kernel(
     tl.store(out_ptrs, (old + acc).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def token_shrink(
+    shrunk_ptr, slots_ptr, row, rank, stride_yt, stride_ys, stride_yr, BLOCK_R: tl.constexpr
+):
+    """Token `row`'s shrink of its own slot, for a kernel adding a pending expand
+    (lora.py `PendingExpand`): (its slot clamped to >= 0 for addressing, the rank
+    offsets, their mask (none for slot -1), y [BLOCK_R] fp32, zero where masked)."""
+    slot = tl.load(slots_ptr + row)
+    slot_row = tl.maximum(slot, 0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = (offs_r < rank) & (slot >= 0)
+    y = tl.load(
+        shrunk_ptr + row * stride_yt + slot_row * stride_ys + offs_r * stride_yr,
+        mask=r_mask,
+        other=0.0,
+    ).to(tl.float32)
+    return slot_row, offs_r, r_mask, y
+
+
+@triton.jit
+def token_delta(
+    b_ptr, slot_row, cols, col_mask, offs_r, r_mask, y, stride_bl, stride_bn, stride_br
+):
+    """delta[c] = sum_r B[slot, cols[c], r] * y[r] in fp32 (0 where masked), from
+    `token_shrink`'s values: one token's expand over the output columns `cols`."""
+    b = tl.load(
+        b_ptr + slot_row * stride_bl + cols[:, None] * stride_bn + offs_r[None, :] * stride_br,
+        mask=col_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    return tl.sum(b * y[None, :], axis=1)
+
+
 # ----------------------------------------------------------------------------- launchers
 
 

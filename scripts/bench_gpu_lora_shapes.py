@@ -9,8 +9,8 @@ Two workloads per projection (fused q/k/v and gate/up stack their slices' ranks)
 - prefill: 8 segments of 1024 tokens.
 
 Where the engine folds the shrink into the projection (Triton backend), the expand runs
-inside the kernel reading the output: the RMSNorm after o and down (`rms_norm_expand`,
-timed in its one-pass and two-pass forms), the SiLU-and-mul after gate/up; those rows
+inside the kernel reading the output: the RMSNorm after o and down (`rms_norm` with the
+pending expand, timed in its one-pass and two-pass forms), the SiLU-and-mul after gate/up; those rows
 time each against the expand kernel plus the plain kernel it replaces.
 
 Each variant is captured `--reps` times into one CUDA graph; the figure is the replay
@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from loraplex.kernels import rms_norm, silu_and_mul, torch_layers, triton_lora
+from loraplex.kernels.lora import PendingExpand
 
 logger = logging.getLogger("bench_gpu_lora_shapes")
 
@@ -161,6 +162,7 @@ def epilogues(
         return both
 
     expand = functools.partial(triton_lora.sgmv_expand, y_slots, lora_b, *segs, out)
+    pending = PendingExpand(y_slots, lora_b, token_slots)
     if name in ("o", "down"):
         weight = torch.randn(out.shape[1], device=out.device).to(out.dtype)
         residual = torch.randn_like(out)
@@ -169,16 +171,15 @@ def epilogues(
         variants["expand kernel + norm"] = then(expand, norm)
         for one_pass in (True, False):
             variants[f"norm with expand, one_pass={one_pass}"] = functools.partial(
-                rms_norm.rms_norm_expand,
-                out, residual, weight, 1e-5, y_slots, lora_b, token_slots, one_pass=one_pass,
-            )  # fmt: skip
+                rms_norm.rms_norm, out, residual, weight, 1e-5, pending, one_pass=one_pass
+            )
     elif name == "gate_up":
         torch_silu = functools.partial(torch_layers.silu_and_mul, out)
         variants["silu_and_mul torch"] = torch_silu
         variants["silu_and_mul triton"] = functools.partial(silu_and_mul.silu_and_mul, out)
         variants["expand kernel + silu_and_mul torch"] = then(expand, torch_silu)
         variants["silu_and_mul with expand"] = functools.partial(
-            silu_and_mul.silu_and_mul, out, y_slots, lora_b, token_slots
+            silu_and_mul.silu_and_mul, out, pending
         )
     return variants
 

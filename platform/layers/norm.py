@@ -39,9 +39,7 @@ class RMSNorm(nn.Module):
         """x, residual: [T, hidden] -> (normed [T, hidden], new residual [T, hidden]).
         `pending`: the LoRA expand x's projection left undone (`forward_deferred`),
         added first, inside the norm's kernel on the Triton backend."""
-        if pending is not None:
-            return self.kernels.rms_norm_expand(x, residual, self.weight, self.eps, pending)
-        return self.kernels.rms_norm(x, residual, self.weight, self.eps)
+        return self.kernels.rms_norm(x, residual, self.weight, self.eps, pending)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -124,10 +124,7 @@ class LlamaMLP(nn.Module):
         LoRA expand or None). gate_up's own pending expand runs inside the
         SiLU-and-mul."""
         gate_up, pending = self.gate_up_proj.forward_deferred(hidden, lora)
-        if pending is None:
-            activated = self.kernels.silu_and_mul(gate_up)
-        else:
-            activated = self.kernels.silu_and_mul_expand(gate_up, pending)
+        activated = self.kernels.silu_and_mul(gate_up, pending)
         return self.down_proj.forward_deferred(activated, lora)
 
 

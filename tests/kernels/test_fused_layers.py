@@ -18,7 +18,7 @@ import torch
 from loraplex.kernels import torch_layers
 from loraplex.kernels.lora import PendingExpand
 from loraplex.kernels.reference import reference_rotary_write_kv
-from loraplex.kernels.rms_norm import rms_norm, rms_norm_expand
+from loraplex.kernels.rms_norm import rms_norm
 from loraplex.kernels.rotary_kv import rotary_write_kv
 from loraplex.kernels.silu_and_mul import silu_and_mul
 from loraplex.kernels.torch_layers import apply_rotary
@@ -173,11 +173,13 @@ def test_bad_shapes_are_refused():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden", [48, 100, 300, 2100])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_rms_norm_expand_equals_the_expand_then_the_norm(dtype, hidden, with_residual):
+@pytest.mark.parametrize("one_pass", [None, False], ids=["auto", "two_pass"])
+def test_rms_norm_expand_equals_the_expand_then_the_norm(dtype, hidden, with_residual, one_pass):
     """The norm with a projection's pending LoRA expand (a folded shrink) against the
     torch expand (`PendingExpand.apply`) then the reference norm: tokens on three slots
     and the base model, x rows strided as a folded matmul's output; rows in one tile,
-    and past it (2100: a B tile of 4096 x 16, so the two-pass form over chunks)."""
+    and past it (2100: a B tile of 4096 x 16 takes the two-pass form over chunks; forced
+    for the others, 300 in two chunks)."""
     gen = torch.Generator().manual_seed(hidden + 7)
     slots, rank, tokens = 3, 16, 9
     folded = (torch.randn(tokens, hidden + slots * rank, generator=gen) * 3).to(dtype)
@@ -188,14 +190,13 @@ def test_rms_norm_expand_equals_the_expand_then_the_norm(dtype, hidden, with_res
     residual = torch.randn(tokens, hidden, generator=gen).to(dtype) if with_residual else None
     weight = torch.randn(hidden, generator=gen).to(dtype)
     pending = PendingExpand(shrunk.to(DEVICE), lora_b.to(DEVICE), token_slots.to(DEVICE))
-    out, new_residual = rms_norm_expand(
+    out, new_residual = rms_norm(
         folded.to(DEVICE)[:, :hidden],
         None if residual is None else residual.to(DEVICE),
         weight.to(DEVICE),
         1e-5,
-        pending.shrunk,
-        pending.b,
-        pending.token_slots,
+        pending,
+        one_pass=one_pass,
     )
     expanded = PendingExpand(shrunk, lora_b, token_slots).apply(x)
     assert not torch.equal(expanded, x), "the adapters moved the rows"
@@ -230,15 +231,11 @@ def test_silu_and_mul_matches_the_torch_path(dtype, half, with_lora):
         expected_input = pending.apply(x)
         assert not torch.equal(expected_input, x)
     on_device = folded.to(DEVICE)[:, : 2 * half]
-    if pending is None:
-        out = silu_and_mul(on_device)
-    else:
-        out = silu_and_mul(
-            on_device,
-            pending.shrunk.to(DEVICE),
-            pending.b.to(DEVICE),
-            pending.token_slots.to(DEVICE),
+    if pending is not None:
+        pending = PendingExpand(
+            pending.shrunk.to(DEVICE), pending.b.to(DEVICE), pending.token_slots.to(DEVICE)
         )
+    out = silu_and_mul(on_device, pending)
     expected = torch_layers.silu_and_mul(expected_input)
     if with_lora and dtype == torch.bfloat16:
         # The delta, summed in another order than the reference's, can round gate + delta
@@ -252,5 +249,9 @@ def test_silu_and_mul_matches_the_torch_path(dtype, half, with_lora):
 
 def test_silu_and_mul_refuses_an_expand_that_does_not_fit():
     x = torch.randn(3, 20, device=DEVICE)
+    slots = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    pending = PendingExpand(
+        torch.zeros(3, 2, 4, device=DEVICE), torch.zeros(2, 10, 4, device=DEVICE), slots
+    )
     with pytest.raises(ValueError, match="does not fit"):
-        silu_and_mul(x, torch.zeros(3, 2, 4, device=DEVICE), torch.zeros(2, 10, 4, device=DEVICE))
+        silu_and_mul(x, pending)

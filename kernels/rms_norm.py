@@ -254,7 +254,7 @@ def _rms_norm_expand(
             residual_out,
             shrunk,
             lora_b,
-            pending.token_slots,
+            pending.token_slots.contiguous(),  # read as slots_ptr + row
             hidden,
             rank,
             eps,

@@ -88,7 +88,8 @@ def silu_and_mul(x: torch.Tensor, pending: PendingExpand | None = None) -> torch
     half = width // 2
     has_lora = pending is not None
     if has_lora:
-        shrunk, lora_b, token_slots = pending.shrunk, pending.b, pending.token_slots
+        shrunk, lora_b = pending.shrunk, pending.b
+        token_slots = pending.token_slots.contiguous()  # read as slots_ptr + row
         if lora_b.shape[1:] != (width, shrunk.shape[2]) or shrunk.shape[:2] != (
             num_rows,
             lora_b.shape[0],

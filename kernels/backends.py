@@ -278,7 +278,9 @@ class TorchBackend:
     def expand_folded(
         self, out: torch.Tensor, shrunk: torch.Tensor, stack: LoRAStack, batch: LoRABatch
     ) -> None:
-        raise NotImplementedError(f"the {self.name} backend folds no LoRA shrink")
+        """The folded expand in plain torch (`PendingExpand.apply`), should a projection
+        fold without this backend choosing to."""
+        out.copy_(PendingExpand(shrunk, stack.b, batch.token_slots).apply(out))
 
 
 @register_backend("cpu")

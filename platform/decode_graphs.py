@@ -123,7 +123,7 @@ class DecodeGraphs:
         `max_loras`: the engine's adapter slots (0: LoRA off, no LoRA graphs);
         `kernels`: the kernel backend's name (segment tables on 'triton' only);
         `folded_shrink`: the model's projections fold the LoRA shrink
-        (`layers.linear.folds_lora_shrink`), so every bucket reads the segment table."""
+        (`layers.linear.has_folded_projections`), so every bucket reads the segment table."""
         self.decode_logits = decode_logits
         self.block_size = block_size
         self.device = device

@@ -35,7 +35,7 @@ from loraplex.platform.failpoints import FAILPOINTS
 from loraplex.platform.guided import GrammarCompiler, GuidedSpec
 from loraplex.platform.kv_cache import plan_num_blocks
 from loraplex.platform.kv_cache_manager import KVCacheManager
-from loraplex.platform.layers.linear import folds_lora_shrink
+from loraplex.platform.layers.linear import has_folded_projections
 from loraplex.platform.model_files import resolve_model_folder
 from loraplex.platform.model_runner import AdapterActivationError, ModelRunner
 from loraplex.platform.models.native_stack import NativeDecoderStack
@@ -213,7 +213,7 @@ class LLMEngine:
             min(self.config.scheduler.max_num_seqs, BUCKETS[-1]),
             self.config.lora.max_loras,
             self.kernel_backend,
-            folds_lora_shrink(model),
+            has_folded_projections(model),
         )
         graphs.capture()
         self.graph_pool_bytes = graphs.pool_bytes

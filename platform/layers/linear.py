@@ -338,7 +338,7 @@ class MergedLinear(nn.Module):
         )
 
 
-def folds_lora_shrink(model: nn.Module) -> bool:
+def has_folded_projections(model: nn.Module) -> bool:
     """Whether any projection of `model` folds its LoRA shrink into its weight."""
     return any(isinstance(m, MergedLinear) and m.lora_fold is not None for m in model.modules())
 

@@ -21,7 +21,7 @@ import torch
 
 from loraplex.kernels.selection import KERNEL_BACKEND_ENV
 from loraplex.platform.decode_graphs import BUCKETS, DecodeGraphs, buckets_up_to
-from loraplex.platform.layers.linear import folds_lora_shrink
+from loraplex.platform.layers.linear import has_folded_projections
 from loraplex.platform.llm import LLM
 from loraplex.platform.request import SamplingParams
 
@@ -116,7 +116,7 @@ def build(base, folders, mode: dict) -> LLM:
             max_batch=8,
             max_loras=engine.config.lora.max_loras,
             kernels=engine.kernel_backend,
-            folded_shrink=folds_lora_shrink(engine.runner.model),
+            folded_shrink=has_folded_projections(engine.runner.model),
         )
     return llm
 

@@ -135,3 +135,16 @@ def test_moving_the_weight_to_the_host_unfolds_and_back_folds_again():
     move_tensors([layer], DEVICE)
     assert layer.lora_fold is not None and layer.weight.data_ptr() == layer.lora_fold.data_ptr()
     torch.testing.assert_close(layer(x, prefill_batch(PREFILL_SLOTS)), before, rtol=0, atol=0)
+
+
+def test_the_torch_backend_expands_a_folded_shrink_as_the_triton_kernel_does():
+    layer = make_projection()
+    x = torch.randn(len(PREFILL_SLOTS), IN_FEATURES, device=DEVICE)
+    batch = prefill_batch(PREFILL_SLOTS)
+    base, shrunk = layer._folded_matmul(x)
+    by_torch = base.clone()
+    get_backend("torch").expand_folded(by_torch, shrunk, layer.lora, batch)
+    by_kernel = base.clone()
+    get_backend("triton").expand_folded(by_kernel, shrunk, layer.lora, batch)
+    assert not torch.equal(by_torch, base)
+    torch.testing.assert_close(by_torch, by_kernel, rtol=1e-4, atol=1e-4)

@@ -138,3 +138,54 @@ def test_a_body_past_the_limit_gets_413_unread_on_the_ingress_port(direct_app):
         response = http.post(f"{direct}/v1/completions", content=chunks)
     assert response.status_code == 413
     assert response.json()["error"]["message"]
+
+
+def test_an_idle_server_ticks_once_a_second_refreshes_its_date_and_stops_at_once(pick_port):
+    """Off Ray: the ingress's own HTTP server wakes once a second while idle (uvicorn's
+    loop woke ten times), still refreshes its Date header, and `aclose` returns without
+    waiting for the next tick."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from loraplex.deployments.direct_http import DirectHTTP
+
+    async def hello(_):
+        return PlainTextResponse("ok")
+
+    async def main() -> tuple[int, list[str], float]:
+        port = pick_port()
+        server = DirectHTTP(Starlette(routes=[Route("/", hello)]), "127.0.0.1", port, 5.0)
+        ticks = 0
+        on_tick = server._server.on_tick
+
+        async def counted(counter: int) -> bool:
+            nonlocal ticks
+            ticks += 1
+            return await on_tick(counter)
+
+        server._server.on_tick = counted
+        dates = []
+        async with httpx.AsyncClient() as http:
+            for _ in range(50):
+                try:
+                    reply = await http.get(f"http://127.0.0.1:{port}/", timeout=5)
+                    break
+                except httpx.ConnectError:
+                    await asyncio.sleep(0.05)
+            assert reply.text == "ok"
+            dates.append(reply.headers["date"])
+            before = ticks
+            await asyncio.sleep(2.5)
+            idle_ticks = ticks - before
+            dates.append((await http.get(f"http://127.0.0.1:{port}/", timeout=5)).headers["date"])
+        started = time.monotonic()
+        await server.aclose()
+        return idle_ticks, dates, time.monotonic() - started
+
+    idle_ticks, dates, close_s = asyncio.run(main())
+    assert 1 <= idle_ticks <= 4, idle_ticks
+    assert dates[0] != dates[1], dates
+    assert close_s < 0.5, close_s

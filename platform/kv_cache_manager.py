@@ -92,6 +92,8 @@ class KVCacheManager:
         """Makes room for `num_new_tokens` more tokens after the `cached` prefix blocks
         (given only when the request is admitted). Returns False, changing nothing, when
         the pool is short."""
+        if not cached and self._fits_in_own_blocks(request, num_new_tokens):
+            return True
         if not self.can_allocate(request, num_new_tokens, cached):
             return False
         table = self._tables.get(request.request_id, [])
@@ -108,6 +110,25 @@ class KVCacheManager:
             table = table + self.pool.allocate(num_new_blocks)
         self._tables[request.request_id] = table
         self._publish_full_blocks(request, table, num_computed, total)
+        return True
+
+    def _fits_in_own_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """`allocate`'s common case, a decode inside its last block: when the tokens fit
+        in the blocks the request holds and the block it writes into is its own (not
+        shared, so no copy-on-write), nothing is taken from the pool. Caches a block the
+        tokens fill, as `allocate` does. False: nothing done, take the general path."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            return False
+        size = self.block_size
+        num_computed = request.num_computed_tokens
+        total = num_computed + num_new_tokens
+        if total > len(table) * size:
+            return False
+        if num_computed % size != 0 and table[-1].ref_count > 1:
+            return False
+        if total // size > num_computed // size:
+            self._publish_full_blocks(request, table, num_computed, total)
         return True
 
     def can_allocate(

@@ -151,12 +151,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-            RequestStatus.FINISHED_ERROR,
-        )
+        return self in _FINISHED
+
+
+_FINISHED = (
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+)
+"""The statuses a request ends in (a tuple: members compare by identity, no hashing)."""
 
 
 @dataclass(frozen=True)
@@ -296,7 +300,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        # Asked several times per request per step: one property, not two.
+        return self.status in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:

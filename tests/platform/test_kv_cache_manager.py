@@ -114,3 +114,22 @@ def test_release_more_than_acquired_is_an_error():
     pool.release([block])
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release([block])
+
+
+def test_decodes_inside_a_block_take_nothing_and_the_one_that_fills_it_caches_it():
+    """A decode inside the request's last block takes no block; the decode whose token
+    fills the block publishes it, so a later prompt of the same tokens hits it."""
+    manager = KVCacheManager(BlockPool(8), block_size=4, enable_prefix_caching=True)
+    first = make_request("a", [1, 2, 3, 4, 5])
+    admit(manager, first)
+    free_after_prompt = manager.pool.num_free
+    for token in (6, 7, 8):
+        first.append_output_token(token, None)
+        assert manager.allocate(first, 1)
+        first.num_computed_tokens += 1
+    assert manager.pool.num_free == free_after_prompt
+    manager.check_invariants()
+    second = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert admit(manager, second) == 8
+    assert manager.block_ids("b")[:2] == manager.block_ids("a")[:2]
+    manager.check_invariants()

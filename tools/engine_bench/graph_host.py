@@ -96,10 +96,17 @@ def build_engine(model: Path, max_batch: int) -> tuple[Any, list[float]]:
     from loraplex.platform.layers.linear import has_folded_projections
     from loraplex.platform.llm import LLM
 
-    os.environ[KERNEL_BACKEND_ENV] = "torch"
-    engine = LLM(
-        str(model), dtype="float32", max_model_len=512, device="cpu", max_num_seqs=max_batch
-    ).engine
+    forced = os.environ.get(KERNEL_BACKEND_ENV)
+    os.environ[KERNEL_BACKEND_ENV] = "torch"  # read once, while the engine is built
+    try:
+        engine = LLM(
+            str(model), dtype="float32", max_model_len=512, device="cpu", max_num_seqs=max_batch
+        ).engine
+    finally:
+        if forced is None:
+            del os.environ[KERNEL_BACKEND_ENV]
+        else:
+            os.environ[KERNEL_BACKEND_ENV] = forced
     graphs = DecodeGraphs(
         engine.runner.decode_logits,
         engine.device,

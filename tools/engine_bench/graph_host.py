@@ -72,12 +72,21 @@ def save_tiny_model(tokenizer_from: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
+@dataclass
+class _Excluded:
+    """What a run spent where a GPU would not spend host time."""
+
+    seconds: float = 0.0
+    """Inside `DecodeGraphs.run` (the forward a graph replays) and the greedy kernel."""
+    graph_runs: int = 0
+
+
 class _TimedBackend:
     """The sampler's kernel backend with the time inside `greedy_tokens` counted."""
 
-    def __init__(self, inner: Any, inside: list) -> None:
+    def __init__(self, inner: Any, excluded: _Excluded) -> None:
         self._inner = inner
-        self._inside = inside
+        self._excluded = excluded
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -85,13 +94,13 @@ class _TimedBackend:
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
         result = self._inner.greedy_tokens(logits)
-        self._inside[0] += time.perf_counter() - started
+        self._excluded.seconds += time.perf_counter() - started
         return result
 
 
-def build_engine(model: Path, max_batch: int) -> tuple[Any, list[float]]:
-    """The engine with decode graphs attached, and its counters: [seconds inside the
-    forward and the greedy kernel, graph runs]."""
+def build_engine(model: Path, max_batch: int) -> tuple[Any, _Excluded]:
+    """The engine with decode graphs attached, and what its runs spend in the forward
+    and the greedy kernel."""
     from loraplex.platform.decode_graphs import DecodeGraphs
     from loraplex.platform.layers.linear import has_folded_projections
     from loraplex.platform.llm import LLM
@@ -117,23 +126,25 @@ def build_engine(model: Path, max_batch: int) -> tuple[Any, list[float]]:
         kernels=engine.kernel_backend,
         folded_shrink=has_folded_projections(engine.runner.model),
     )
-    inside = [0.0, 0]
+    excluded = _Excluded()
     replay = graphs.run
 
     def timed_run(step):
         started = time.perf_counter()
         logits = replay(step)
-        inside[0] += time.perf_counter() - started
-        inside[1] += 1
+        excluded.seconds += time.perf_counter() - started
+        excluded.graph_runs += 1
         return logits
 
     graphs.run = timed_run
     engine.runner.graphs = graphs
-    engine.runner.sampler.kernels = _TimedBackend(engine.runner.sampler.kernels, inside)
-    return engine, inside
+    engine.runner.sampler.kernels = _TimedBackend(engine.runner.sampler.kernels, excluded)
+    return engine, excluded
 
 
-def time_decodes(engine: Any, inside: list, batch: int, output_len: int) -> tuple[float, float]:
+def time_decodes(
+    engine: Any, excluded: _Excluded, batch: int, output_len: int
+) -> tuple[float, float]:
     """(host, wall) seconds per decode step of one run of `batch` requests; RuntimeError
     when a decode step did not go through the graphs (its forward would count as host)."""
     from loraplex.platform.request import DELTA, SamplingParams
@@ -144,16 +155,17 @@ def time_decodes(engine: Any, inside: list, batch: int, output_len: int) -> tupl
     for i in range(batch):
         engine.add_request(f"graph-host-{time.monotonic_ns()}-{i}", PROMPT, params)
     engine.step()  # the prefill: not a graph step
-    inside[0], inside[1] = 0.0, 0
+    excluded.seconds, excluded.graph_runs = 0.0, 0
     steps = 0
     started = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
         steps += 1
     wall = time.perf_counter() - started
-    if inside[1] != steps:
-        raise RuntimeError(f"{steps - inside[1]} of {steps} decode steps ran outside the graphs")
-    return (wall - inside[0]) / steps, wall / steps
+    if excluded.graph_runs != steps:
+        missed = steps - excluded.graph_runs
+        raise RuntimeError(f"{missed} of {steps} decode steps ran outside the graphs")
+    return (wall - excluded.seconds) / steps, wall / steps
 
 
 def run(
@@ -162,10 +174,10 @@ def run(
     figures = []
     with tempfile.TemporaryDirectory(prefix="graph-host-") as folder:
         model = save_tiny_model(tokenizer_from, Path(folder))
-        engine, inside = build_engine(model, max(batches))
+        engine, excluded = build_engine(model, max(batches))
         for batch in batches:
-            time_decodes(engine, inside, batch, min(output_len, 8))
-            runs = [time_decodes(engine, inside, batch, output_len) for _ in range(rounds)]
+            time_decodes(engine, excluded, batch, min(output_len, 8))
+            runs = [time_decodes(engine, excluded, batch, output_len) for _ in range(rounds)]
             host = [h * 1e6 for h, _ in runs]
             figures.append(
                 GraphHostFigure(
